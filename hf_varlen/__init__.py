@@ -1,0 +1,35 @@
+"""hf_varlen: packed, padding-free training for any Hugging Face causal LM.
+
+``import hf_varlen`` registers ``attn_implementation="varlen_packed"`` with transformers, so
+
+    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="varlen_packed")
+
+attends only within each packed document, on the fastest varlen attention backend available.
+"""
+
+from __future__ import annotations
+
+from .attention import varlen_attention
+from .backends import available_backends, default_backend, register_backend, set_backend
+from .collator import PackingCollator
+from .integrations.transformers import register
+from .packing import PackingResult, PackingStats, TokenBudgetBatchSampler, pack_by_tokens
+
+__version__ = "0.1.0"
+
+ATTN_IMPLEMENTATION = register()
+
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "PackingCollator",
+    "PackingResult",
+    "PackingStats",
+    "TokenBudgetBatchSampler",
+    "pack_by_tokens",
+    "available_backends",
+    "default_backend",
+    "register",
+    "register_backend",
+    "set_backend",
+    "varlen_attention",
+]

@@ -1,0 +1,132 @@
+"""`flex`: FlexAttention with a document BlockMask.
+
+The BlockMask (and the per-token document ids it reads) is built once per batch and cached on the
+identity of the cu_seqlens tensors, so every layer of a forward pass shares it. On CUDA the
+attention call and the mask build are compiled (FlexAttention's fast path); on CPU they run eagerly.
+
+Layout: flex wants (1, H, T, D); the packed (T, H, D) inputs are viewed as such without copies.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._common import _IdentityCache, causal_window
+from .registry import BackendSpec, register_backend
+
+_MASKS = _IdentityCache()
+_COMPILED = {}
+
+
+def _flex_fns(device_type: str):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if device_type != "cuda":
+        return flex_attention, create_block_mask
+    if "attn" not in _COMPILED:
+        _COMPILED["attn"] = torch.compile(flex_attention, dynamic=False)
+    return _COMPILED["attn"], create_block_mask
+
+
+def _doc_index(cu: torch.Tensor, total: int):
+    """Per-token document id, position inside the document, and per-document lengths (device ops)."""
+    tok = torch.arange(total, device=cu.device, dtype=torch.int32)
+    doc = torch.searchsorted(cu[1:].contiguous(), tok, right=True).clamp_(max=cu.numel() - 2)
+    return doc, tok - cu[doc], cu.diff()
+
+
+def document_block_mask(cu_q, cu_k, total_q, total_k, *, causal, window_size, heads=None):
+    """BlockMask allowing (q, kv) pairs inside one document, under the FA visibility rules."""
+    key = (total_q, total_k, causal, window_size)
+    hit = _MASKS.get(cu_q, extra=(id(cu_k), key))
+    if hit is not None:
+        return hit
+    _, create_block_mask = _flex_fns(cu_q.device.type)
+    doc_q, pos_q, len_q = _doc_index(cu_q, total_q)
+    doc_k, pos_k, len_k = _doc_index(cu_k, total_k)
+    shift = (len_k - len_q).to(torch.int32)  # bottom-right alignment when L_k != L_q
+    left, right = causal_window(causal, window_size)
+
+    def mask_mod(b, h, qi, ki):
+        same = doc_q[qi] == doc_k[ki]
+        rel = pos_k[ki] - (pos_q[qi] + shift[doc_q[qi]])  # key position relative to the diagonal
+        ok = same
+        if right >= 0:
+            ok = ok & (rel <= right)
+        if left >= 0:
+            ok = ok & (rel >= -left)
+        return ok
+
+    mask = create_block_mask(
+        mask_mod,
+        None,
+        None,
+        total_q,
+        total_k,
+        device=cu_q.device,
+        _compile=cu_q.device.type == "cuda",
+    )
+    return _MASKS.put(cu_q, mask, extra=(id(cu_k), key))
+
+
+def flex_backend(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    *,
+    softmax_scale,
+    causal,
+    window_size,
+    softcap,
+    dropout_p,
+    deterministic,
+):
+    attn, _ = _flex_fns(q.device.type)
+    mask = document_block_mask(
+        cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], causal=causal, window_size=window_size
+    )
+    score_mod = None
+    if softcap > 0:
+
+        def score_mod(score, b, h, qi, ki):
+            return softcap * torch.tanh(score / softcap)
+
+    out = attn(
+        q.transpose(0, 1).unsqueeze(0),
+        k.transpose(0, 1).unsqueeze(0),
+        v.transpose(0, 1).unsqueeze(0),
+        score_mod=score_mod,
+        block_mask=mask,
+        scale=softmax_scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
+    return out[0].transpose(0, 1)
+
+
+def _probe() -> str | None:
+    try:
+        from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
+    except ImportError as exc:
+        return f"torch {torch.__version__} has no FlexAttention ({exc})"
+    return None
+
+
+register_backend(
+    BackendSpec(
+        name="flex",
+        fn=flex_backend,
+        description="FlexAttention with a document BlockMask shared by all layers (compiled on CUDA)",
+        requires="torch >= 2.5 (CUDA for speed; CPU runs the unfused path)",
+        devices=frozenset({"cpu", "cuda"}),
+        dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
+        backward_devices=frozenset({"cuda"}),  # torch's FlexAttention has no CPU backward
+        sliding_window=True,
+        softcap=True,
+        dropout=False,
+        probe=_probe,
+    )
+)

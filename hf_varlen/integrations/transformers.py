@@ -1,0 +1,143 @@
+"""transformers integration: the "varlen_packed" attention function and its mask function.
+
+transformers calls ``fn(module, query, key, value, attention_mask, dropout, scaling, **kwargs)`` with
+query (B, H_q, T_q, D) and key/value (B, H_kv, T_k, D) (GQA not expanded) and expects
+((B, T_q, H_q, D), None). RoPE has already been applied by the attention module.
+
+Where documents come from (first match wins; see hf_varlen.varlen):
+  1. collator kwargs ``cu_seq_lens_q/k`` + ``max_length_q/k`` (DataCollatorWithFlattening, TRL 1.16,
+     hf_varlen.PackingCollator);
+  2. a 2-D padding mask (our mask function passes it through only when a row really has padding;
+     it goes before position_ids because padding cannot be expressed by positions);
+  3. packed ``position_ids`` of a batch of one row whose positions restart (TRL <= 1.15, plain
+     models); converted once per forward pass, shared by every layer;
+  4. otherwise each row is one causal sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..attention import varlen_attention
+from ..varlen import (
+    VarlenMetadata,
+    from_collator_kwargs,
+    from_padding_mask,
+    from_position_ids,
+    from_rows,
+)
+
+DEFAULT_NAME = "varlen_packed"
+
+
+def _metadata(query, key, attention_mask, kwargs) -> VarlenMetadata:
+    bsz, _, q_len, _ = query.shape
+    kv_len = key.shape[2]
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is not None or cu_k is not None:
+        max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
+        if cu_q is None or cu_k is None or max_q is None or max_k is None:
+            raise ValueError(
+                "varlen_packed got only some of cu_seq_lens_q/cu_seq_lens_k/max_length_q/max_length_k; "
+                "pass all four (DataCollatorWithFlattening(return_flash_attn_kwargs=True) or "
+                "hf_varlen.PackingCollator do) or none of them"
+            )
+        if attention_mask is not None:
+            raise ValueError(
+                "varlen_packed got both packed-sequence kwargs (cu_seq_lens_*) and a padding "
+                "attention_mask; packed batches carry no padding mask: drop attention_mask"
+            )
+        return from_collator_kwargs(cu_q, cu_k, max_q, max_k)
+    if attention_mask is not None:
+        if attention_mask.dim() != 2:
+            raise ValueError(
+                f"varlen_packed expects a 2-D (batch, kv_len) padding mask, got shape "
+                f"{tuple(attention_mask.shape)}; was the model built with another attn_implementation's mask?"
+            )
+        return from_padding_mask(attention_mask, q_len)
+    position_ids = kwargs.get("position_ids")
+    if bsz == 1 and q_len == kv_len and q_len > 1 and position_ids is not None:
+        return from_position_ids(position_ids)
+    return from_rows(bsz, q_len, kv_len, query.device)
+
+
+def varlen_packed_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """AttentionInterface function for ``attn_implementation="varlen_packed"``."""
+    if kwargs.get("s_aux") is not None:
+        raise ValueError(
+            "varlen_packed does not implement attention sinks (s_aux, e.g. gpt-oss); use "
+            "attn_implementation='eager' or a FlashAttention-3 build for this model"
+        )
+    bsz, h_q, q_len, head_dim = query.shape
+    is_causal = kwargs.get("is_causal")
+    if is_causal is None:
+        is_causal = getattr(module, "is_causal", True)
+    meta = _metadata(query, key, attention_mask, kwargs)
+    # (B, H, T, D) -> (B*T, H, D): a view for B == 1 (packed batches), a copy otherwise.
+    q = query.transpose(1, 2).reshape(bsz * q_len, h_q, head_dim)
+    k = key.transpose(1, 2).reshape(-1, key.shape[1], head_dim)
+    v = value.transpose(1, 2).reshape(-1, value.shape[1], value.shape[-1])
+    if meta.indices_q is not None:
+        q, k, v = q[meta.indices_q], k[meta.indices_k], v[meta.indices_k]
+    window = (-1, -1)
+    if sliding_window is not None and sliding_window > 0:
+        # HF semantics: a token sees itself and the sliding_window - 1 tokens before it.
+        window = (sliding_window - 1, -1 if is_causal else sliding_window - 1)
+    out = varlen_attention(
+        q,
+        k,
+        v,
+        meta.cu_seqlens_q,
+        meta.cu_seqlens_k,
+        meta.max_seqlen_q,
+        meta.max_seqlen_k,
+        softmax_scale=scaling,
+        causal=bool(is_causal),
+        window_size=window,
+        softcap=float(softcap or 0.0),
+        dropout_p=float(dropout or 0.0),
+    )
+    if meta.indices_q is not None:
+        full = out.new_zeros(bsz * q_len, h_q, out.shape[-1])
+        out = full.index_copy(0, meta.indices_q, out)
+    return out.view(bsz, q_len, h_q, out.shape[-1]), None
+
+
+def varlen_packed_mask(*args, **kwargs):
+    """Mask function: None for packed / unpadded batches, else the 2-D bool padding mask.
+
+    The same contract as transformers' FlashAttention mask function (which we reuse): the attention
+    function unpads by itself, so no dense (T x T) mask is ever built.
+    """
+    from transformers.masking_utils import flash_attention_mask
+
+    return flash_attention_mask(*args, **kwargs)
+
+
+def register(name: str = DEFAULT_NAME) -> str:
+    """Register ``name`` with transformers' AttentionInterface and AttentionMaskInterface.
+
+    Idempotent. Returns the name, for ``from_pretrained(..., attn_implementation=name)``.
+    """
+    if "flash" in name:
+        raise ValueError(
+            f"name={name!r}: transformers treats any implementation name containing 'flash' as "
+            "FlashAttention and switches on flash-only code paths; choose another name"
+        )
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(name, varlen_packed_forward)
+    AttentionMaskInterface.register(name, varlen_packed_mask)
+    return name

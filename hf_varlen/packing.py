@@ -1,0 +1,325 @@
+"""Token-budget packing: group examples into batches of at most ``max_tokens`` tokens.
+
+Bin packing of example lengths ``L_i`` into bins of capacity ``B = max_tokens``; each bin becomes
+one packed batch (one ``[1, T]`` row from ``PackingCollator``, ``T <= B``). Strategies:
+
+    "bfd"         best-fit decreasing: longest first (ties by index), each into the bin whose
+                  remaining room is smallest but still fits; O(n log n). At most
+                  11/9 OPT + O(1) bins (Johnson 1973); alpaca at B = 16K: the minimum, ceil(T/B).
+    "ffd"         first-fit decreasing: longest first, into the lowest-numbered bin that fits.
+    "sequential"  next-fit in index order: keeps the data order (curricula, streaming), packs worse.
+
+Overflow: an example longer than ``B`` is truncated to ``B`` tokens (``on_overflow="truncate"``;
+give the collator ``max_length=max_tokens`` so it cuts the same tokens) or raises ``ValueError``
+(``"raise"``). Empty examples are skipped. Both are counted in ``PackingStats``.
+
+Statistics, with ``N_b`` batches, ``n_b`` examples and ``m_b`` longest example in batch ``b``:
+
+    packing_efficiency = real_tokens / (N_b * B)          (share of the token budget that is real)
+    padded_efficiency  = real_tokens / sum_b n_b * m_b    (the same batches padded to [n_b, m_b])
+
+``TokenBudgetBatchSampler`` packs once and, per epoch, reorders the batches deterministically from
+``(seed, epoch)``. With ``num_replicas = R > 1`` the batches are sorted by token count and dealt in
+groups of ``R`` consecutive ones, one per rank, so every global step gives all ranks a batch of
+nearly the same size; each example lands on exactly one rank.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Sampler
+
+__all__ = ["PackingResult", "PackingStats", "TokenBudgetBatchSampler", "pack_by_tokens"]
+
+STRATEGIES = ("bfd", "ffd", "sequential")
+ON_OVERFLOW = ("truncate", "raise")
+
+
+@dataclass(frozen=True)
+class PackingStats:
+    """What a packing did to the data. Token counts are after truncation."""
+
+    max_tokens: int
+    num_examples: int  # examples given, including empty ones
+    num_batches: int
+    real_tokens: int  # tokens placed in batches
+    padded_tokens: int  # sum over batches of n_examples * longest_example
+    num_truncated: int  # examples longer than max_tokens (cut to max_tokens)
+    truncated_tokens: int  # tokens cut off those examples
+    num_skipped_empty: int  # zero-length examples (in no batch)
+
+    @property
+    def packing_efficiency(self) -> float:
+        """Real tokens / (num_batches * max_tokens); 0.0 when there is no batch."""
+        return self.real_tokens / (self.num_batches * self.max_tokens) if self.num_batches else 0.0
+
+    @property
+    def padded_efficiency(self) -> float:
+        """Real tokens / tokens of the same batches padded to their longest example."""
+        return self.real_tokens / self.padded_tokens if self.padded_tokens else 0.0
+
+    def __str__(self) -> str:
+        return (
+            f"{self.num_examples} examples -> {self.num_batches} batches of <= {self.max_tokens} "
+            f"tokens: packing efficiency {self.packing_efficiency:.1%} (padded alternative "
+            f"{self.padded_efficiency:.1%}), {self.num_truncated} truncated "
+            f"({self.truncated_tokens} tokens), {self.num_skipped_empty} empty skipped"
+        )
+
+
+@dataclass(frozen=True)
+class PackingResult:
+    """``batches[b]``: example indices of batch ``b`` (ascending); ``batch_tokens[b]``: tokens."""
+
+    batches: list[list[int]]
+    batch_tokens: list[int]
+    stats: PackingStats
+
+
+def _as_lengths(lengths: Any) -> np.ndarray:
+    if isinstance(lengths, torch.Tensor):
+        lengths = lengths.detach().cpu().numpy()
+    arr = np.asarray(lengths)
+    if arr.size == 0:
+        arr = arr.astype(np.int64)
+    if arr.ndim != 1:
+        raise ValueError(f"lengths: expected a 1-D sequence of ints, got shape {tuple(arr.shape)}")
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"lengths: expected integer lengths, got dtype {arr.dtype}")
+    arr = arr.astype(np.int64, copy=False)
+    if arr.size and arr.min() < 0:
+        i = int(np.argmin(arr))
+        raise ValueError(f"lengths: expected non-negative lengths, got lengths[{i}] = {arr[i]}")
+    return arr
+
+
+def _check_options(max_tokens: Any, strategy: Any, on_overflow: Any) -> None:
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)):
+        raise TypeError(f"max_tokens: expected an int, got {type(max_tokens).__name__}")
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens: expected an int >= 1, got {max_tokens}")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy: expected one of {STRATEGIES}, got {strategy!r}")
+    if on_overflow not in ON_OVERFLOW:
+        raise ValueError(f"on_overflow: expected one of {ON_OVERFLOW}, got {on_overflow!r}")
+
+
+def _best_fit_decreasing(order: list[int], lengths: list[int], budget: int) -> list[list[int]]:
+    """Bins keyed by remaining room: a sorted list of distinct rooms (bisect) -> heap of bin ids.
+
+    The sorted list holds at most ``budget`` distinct values, so each step is O(log n) plus a
+    memmove of at most ``budget`` ints; ties in room go to the lowest bin id (determinism).
+    """
+    rooms: list[int] = []
+    bins_with_room: dict[int, list[int]] = {}
+    bins: list[list[int]] = []
+    for i in order:
+        need = lengths[i]
+        j = bisect.bisect_left(rooms, need)
+        if j == len(rooms):
+            b = len(bins)
+            bins.append([i])
+            room = budget - need
+        else:
+            room = rooms[j]
+            heap = bins_with_room[room]
+            b = heapq.heappop(heap)
+            if not heap:
+                del bins_with_room[room]
+                del rooms[j]
+            bins[b].append(i)
+            room -= need
+        if room:
+            if room in bins_with_room:
+                heapq.heappush(bins_with_room[room], b)
+            else:
+                bins_with_room[room] = [b]
+                bisect.insort(rooms, room)
+    return bins
+
+
+def _first_fit_decreasing(order: list[int], lengths: list[int], budget: int) -> list[list[int]]:
+    """Max segment tree over bin rooms; unopened bins have full room, so 'open' needs no branch."""
+    size = 1
+    while size < max(len(order), 1):
+        size *= 2
+    tree = [budget] * (2 * size)
+    bins: list[list[int]] = []
+    for i in order:
+        need = lengths[i]
+        node = 1
+        while node < size:
+            node = 2 * node if tree[2 * node] >= need else 2 * node + 1
+        b = node - size
+        if b == len(bins):
+            bins.append([])
+        bins[b].append(i)
+        tree[node] -= need
+        node //= 2
+        while node:
+            tree[node] = max(tree[2 * node], tree[2 * node + 1])
+            node //= 2
+    return bins
+
+
+def _next_fit(order: list[int], lengths: list[int], budget: int) -> list[list[int]]:
+    bins: list[list[int]] = []
+    used = budget
+    for i in order:
+        if used + lengths[i] > budget:
+            bins.append([])
+            used = 0
+        bins[-1].append(i)
+        used += lengths[i]
+    return bins
+
+
+def pack_by_tokens(
+    lengths: Any,
+    max_tokens: int,
+    strategy: str = "bfd",
+    seed: int | None = 0,
+    on_overflow: str = "truncate",
+) -> PackingResult:
+    """Pack examples of the given token ``lengths`` into batches of at most ``max_tokens`` tokens.
+
+    Args:
+        lengths: token count of each example (list, numpy or torch; 1-D, non-negative ints).
+        max_tokens: token budget of one batch (the packed row length ``T`` is at most this).
+        strategy: ``"bfd"`` (best-fit decreasing), ``"ffd"`` or ``"sequential"``; see module doc.
+        seed: shuffles the order of the batches (their contents do not depend on it);
+            ``None`` keeps creation order (``bfd``/``ffd``: fullest, longest-example batches first).
+        on_overflow: ``"truncate"`` counts an example longer than ``max_tokens`` and packs it as
+            ``max_tokens`` tokens (the collator must truncate it: ``max_length=max_tokens``);
+            ``"raise"`` raises ``ValueError`` naming it.
+
+    Returns:
+        ``PackingResult``: every non-empty example index in exactly one batch (indices ascending
+        within a batch), tokens per batch, and ``PackingStats``.
+    """
+    _check_options(max_tokens, strategy, on_overflow)
+    max_tokens = int(max_tokens)
+    raw = _as_lengths(lengths)
+    over = np.flatnonzero(raw > max_tokens)
+    if over.size and on_overflow == "raise":
+        first = int(over[0])
+        raise ValueError(
+            f"lengths: example {first} has {int(raw[first])} tokens, more than "
+            f"max_tokens={max_tokens} ({over.size} such examples; first few "
+            f"{over[:5].tolist()}); use on_overflow='truncate' or a larger max_tokens"
+        )
+    eff = np.minimum(raw, max_tokens)
+    kept = np.flatnonzero(eff > 0)
+    if strategy == "sequential":
+        order = kept.tolist()
+    else:
+        # Longest first; a stable sort of -length breaks ties by index.
+        order = kept[np.argsort(-eff[kept], kind="stable")].tolist()
+    pack = {"bfd": _best_fit_decreasing, "ffd": _first_fit_decreasing, "sequential": _next_fit}
+    bins = [sorted(b) for b in pack[strategy](order, eff.tolist(), max_tokens)]
+    if seed is not None:
+        perm = np.random.default_rng(seed).permutation(len(bins))
+        bins = [bins[p] for p in perm.tolist()]
+
+    batch_tokens = [int(eff[b].sum()) for b in bins]
+    padded = sum(len(b) * int(eff[b].max()) for b in bins)
+    stats = PackingStats(
+        max_tokens=max_tokens,
+        num_examples=int(raw.size),
+        num_batches=len(bins),
+        real_tokens=int(sum(batch_tokens)),
+        padded_tokens=int(padded),
+        num_truncated=int(over.size),
+        truncated_tokens=int((raw[over] - max_tokens).sum()),
+        num_skipped_empty=int(raw.size - kept.size),
+    )
+    return PackingResult(batches=bins, batch_tokens=batch_tokens, stats=stats)
+
+
+class TokenBudgetBatchSampler(Sampler[list[int]]):
+    """Batch sampler yielding lists of example indices whose token counts fit ``max_tokens``.
+
+    Use as ``DataLoader(dataset, batch_sampler=sampler, collate_fn=PackingCollator(...))`` and call
+    ``sampler.set_epoch(epoch)`` before each epoch. The packing (``pack_by_tokens``) is computed
+    once; ``stats`` holds its ``PackingStats`` (global, over all ranks).
+
+    Order: with ``shuffle=True`` the step order (and which rank of a group gets which batch) is a
+    permutation drawn from ``(seed, epoch)``, identical on every rank; with ``shuffle=False`` the
+    heaviest batches come first.
+
+    Several ranks (``num_replicas > 1``): every rank builds the same sampler with its own ``rank``.
+    Batches are sorted by token count and dealt in groups of ``num_replicas``, so at each step the
+    ranks get batches of similar size; every example goes to exactly one rank and every rank
+    yields ``len(sampler)`` batches. When the batch count does not divide, the last (lightest)
+    group is filled with empty batches ``[]``: the training loop must still run those as
+    zero-token steps (the collator turns ``[]`` into an all-padding row when ``pad_to_multiple_of``
+    is set, else ``T = 0``) so collective ops stay matched across ranks. Do not let a framework
+    shard this sampler again (e.g. accelerate's batch-sampler sharding): it is already per rank.
+    """
+
+    def __init__(
+        self,
+        lengths: Any,
+        max_tokens: int,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        strategy: str = "bfd",
+        on_overflow: str = "truncate",
+        num_replicas: int = 1,
+        rank: int = 0,
+    ):
+        super().__init__()
+        for name, value, minimum in (("num_replicas", num_replicas, 1), ("rank", rank, 0)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+            if value < minimum:
+                raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
+        if rank >= num_replicas:
+            raise ValueError(f"rank: expected 0 <= rank < num_replicas={num_replicas}, got {rank}")
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+            raise TypeError(f"seed: expected an int, got {type(seed).__name__}")
+        packed = pack_by_tokens(
+            lengths, max_tokens, strategy=strategy, seed=None, on_overflow=on_overflow
+        )
+        self.batches = packed.batches
+        self.batch_tokens = packed.batch_tokens
+        self.stats = packed.stats
+        self.shuffle = bool(shuffle)
+        self.seed = int(seed)
+        self.num_replicas = int(num_replicas)
+        self.rank = int(rank)
+        self.epoch = 0
+        # Heaviest first, ties by creation order; -1 marks an empty slot in the last group.
+        by_size = sorted(range(len(self.batches)), key=lambda b: (-self.batch_tokens[b], b))
+        by_size += [-1] * (-len(by_size) % self.num_replicas)
+        self._groups = np.asarray(by_size, dtype=np.int64).reshape(-1, self.num_replicas)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch that ``__iter__`` yields (its order is fixed by ``seed`` and epoch)."""
+        if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
+            raise ValueError(f"epoch: expected an int >= 0, got {epoch!r}")
+        self.epoch = int(epoch)
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+    def step_batches(self) -> np.ndarray:
+        """``[len(self), num_replicas]`` batch ids for this epoch (-1: empty); same on all ranks."""
+        groups = self._groups
+        if self.shuffle and len(groups):
+            rng = np.random.default_rng([self.seed, self.epoch])
+            groups = groups[rng.permutation(len(groups))]
+            groups = np.take_along_axis(groups, rng.random(groups.shape).argsort(axis=1), axis=1)
+        return groups
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for b in self.step_batches()[:, self.rank].tolist():
+            yield list(self.batches[b]) if b >= 0 else []

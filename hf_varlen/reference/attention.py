@@ -1,0 +1,93 @@
+"""Pure-PyTorch varlen attention: the oracle every backend is tested against.
+
+Shapes: q (T_q, H_q, D), k/v (T_k, H_kv, D), cu_seqlens_q/k (n + 1,) int32 with document i at
+rows cu[i]:cu[i+1]. Output (T_q, H_q, D_v). Semantics are FlashAttention-2's:
+
+    s = softmax_scale * q_i . k_j                 (softmax_scale defaults to D ** -0.5)
+    s = softcap * tanh(s / softcap)               (if softcap > 0)
+    query i of a document of lengths (L_q, L_k) may see key j when, with shift = L_k - L_q
+    (bottom-right alignment), j <= i + shift (causal) and, for a window (left, right),
+    i + shift - left <= j <= i + shift + right (-1 = unbounded on that side)
+    o_i = sum_j softmax(s)_ij v_j                 (softmax in fp32, as HF eager does)
+
+Queries that see no key produce zeros. The computation runs per document in the input dtype (the
+"low precision reference"); pass fp32/fp64 inputs for the high-precision one.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def visibility_mask(
+    len_q: int, len_k: int, *, causal: bool, window_size: tuple[int, int], device=None
+) -> torch.Tensor:
+    """(len_q, len_k) bool: True where query i may attend to key j (FA-2 rules, see module doc)."""
+    left, right = window_size
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
+    i = torch.arange(len_q, device=device)[:, None] + (len_k - len_q)
+    j = torch.arange(len_k, device=device)[None, :]
+    mask = torch.ones(len_q, len_k, dtype=torch.bool, device=device)
+    if right >= 0:
+        mask &= j <= i + right
+    if left >= 0:
+        mask &= j >= i - left
+    return mask
+
+
+def attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    *,
+    softmax_scale: float | None = None,
+    causal: bool = True,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """Per-document attention in plain PyTorch (autograd-capable). See the module docstring."""
+    h_q, h_kv = q.shape[1], k.shape[1]
+    group = h_q // h_kv
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    bounds_q = cu_seqlens_q.tolist()
+    bounds_k = cu_seqlens_k.tolist()
+    out = q.new_zeros(q.shape[0], h_q, v.shape[-1])
+    pieces = []
+    for (q0, q1), (k0, k1) in zip(
+        zip(bounds_q[:-1], bounds_q[1:]), zip(bounds_k[:-1], bounds_k[1:])
+    ):
+        if q1 == q0:
+            continue
+        if k1 == k0:
+            pieces.append((q0, q1, q.new_zeros(q1 - q0, h_q, v.shape[-1])))
+            continue
+        qd = q[q0:q1].transpose(0, 1)  # (H_q, L_q, D)
+        kd = k[k0:k1].transpose(0, 1).repeat_interleave(group, dim=0)  # (H_q, L_k, D)
+        vd = v[k0:k1].transpose(0, 1).repeat_interleave(group, dim=0)
+        s = torch.matmul(qd, kd.transpose(1, 2)) * scale
+        if softcap > 0:
+            s = softcap * torch.tanh(s / softcap)
+        mask = visibility_mask(
+            q1 - q0, k1 - k0, causal=causal, window_size=window_size, device=q.device
+        )
+        s = s.masked_fill(~mask, float("-inf"))
+        p = torch.softmax(s, dim=-1, dtype=torch.float32)
+        p = torch.nan_to_num(p, nan=0.0)  # rows that see no key -> zeros, like FA
+        p = p.to(q.dtype)
+        if dropout_p > 0:
+            p = F.dropout(p, p=dropout_p, training=True)
+        pieces.append((q0, q1, torch.matmul(p, vd).transpose(0, 1)))
+    if not pieces:
+        return out
+    # Assemble without in-place writes into a tensor autograd must track piecewise.
+    rows = [out[: pieces[0][0]]]
+    for idx, (_, q1, o) in enumerate(pieces):
+        rows.append(o)
+        nxt = pieces[idx + 1][0] if idx + 1 < len(pieces) else out.shape[0]
+        rows.append(out[q1:nxt])
+    return torch.cat(rows, dim=0)

@@ -1,0 +1,80 @@
+"""Shared builders for the attention backend tests (CPU and GPU files)."""
+
+from __future__ import annotations
+
+import torch
+
+import hf_varlen
+from hf_varlen.reference.attention import attention_reference
+from hf_varlen.testing import assert_numerics
+
+
+def cu_from_lengths(lengths, device="cpu") -> torch.Tensor:
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    return torch.tensor(cu, dtype=torch.int32, device=device)
+
+
+def make_qkv(lengths, h_q, h_kv, d, dtype, device="cpu", seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    total = sum(lengths)
+    q = torch.randn(total, h_q, d, generator=g).to(device, dtype)
+    k = torch.randn(total, h_kv, d, generator=g).to(device, dtype)
+    v = torch.randn(total, h_kv, d, generator=g).to(device, dtype)
+    return q, k, v
+
+
+def has_backward(backend: str, device: str) -> bool:
+    spec = hf_varlen.backends.get_spec(backend)
+    return spec.backward_devices is None or device in spec.backward_devices
+
+
+def fwd_bwd(fn, q, k, v, grad_out, backward=True):
+    """(out, dq, dk, dv); the gradients are None when ``backward`` is False (forward-only backends)."""
+    if not backward:
+        with torch.no_grad():
+            return fn(q, k, v), None, None, None
+    q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    out = fn(q, k, v)
+    out.backward(grad_out)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def check_backend_against_reference(
+    backend,
+    lengths,
+    h_q,
+    h_kv,
+    d,
+    dtype,
+    device="cpu",
+    *,
+    causal=True,
+    window=(-1, -1),
+    softcap=0.0,
+    seed=0,
+):
+    """Outputs and dq/dk/dv of ``backend`` vs the reference under the numerics rule."""
+    q, k, v = make_qkv(lengths, h_q, h_kv, d, dtype, device, seed)
+    cu = cu_from_lengths(lengths, device)
+    m = max(lengths)
+    grad_out = torch.randn_like(q, dtype=torch.float32).to(dtype)
+    kw = dict(causal=causal, window_size=window, softcap=softcap)
+    hi_dtype = torch.float64 if device == "cpu" else torch.float32
+    got = fwd_bwd(
+        lambda a, b, c: hf_varlen.varlen_attention(a, b, c, cu, cu, m, m, backend=backend, **kw),
+        q,
+        k,
+        v,
+        grad_out,
+        backward=has_backward(backend, device),
+    )
+    ref = lambda a, b, c: attention_reference(a, b, c, cu, cu, **kw)
+    lo = fwd_bwd(ref, q, k, v, grad_out)
+    hi = fwd_bwd(ref, q.to(hi_dtype), k.to(hi_dtype), v.to(hi_dtype), grad_out.to(hi_dtype))
+    for name, x, h, low, factor in zip(("out", "dq", "dk", "dv"), got, hi, lo, (2, 3, 3, 3)):
+        if x is None:
+            continue
+        assert_numerics(f"{backend} {name} lengths={lengths[:5]}", x, h, low, factor=factor)
+    return got

@@ -1,0 +1,56 @@
+"""Shared test configuration.
+
+GPU tests (``@pytest.mark.gpu``) never pass silently on a machine without CUDA: they are skipped
+with a loud reason, and the session summary repeats how many were skipped and how to run them.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+# Triton kernels run under the numpy interpreter on machines without CUDA. The variable is read when
+# a kernel is decorated, so it must be set before any hf_varlen.ops module is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+SHARED_DATA = Path(
+    os.environ.get("HF_VARLEN_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data")
+)
+
+_GPU_SKIPPED: list[str] = []
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    reason = "NO CUDA GPU: GPU test not run here; run `pytest -m gpu tests/` on the GPU machine (see docs/GPU.md)"
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(pytest.mark.skip(reason=reason))
+            _GPU_SKIPPED.append(item.nodeid)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _GPU_SKIPPED:
+        terminalreporter.write_sep(
+            "!",
+            f"{len(_GPU_SKIPPED)} GPU tests were SKIPPED (no CUDA device): they are not verified by this run",
+        )
+
+
+def shared_data_path(*parts: str) -> Path:
+    """Path under ../shared/data; skips the test loudly when the folder is absent."""
+    p = SHARED_DATA.joinpath(*parts)
+    if not p.exists():
+        pytest.skip(f"shared data not found at {p} (set HF_VARLEN_SHARED_DATA)")
+    return p
+
+
+@pytest.fixture
+def shared_data():
+    return shared_data_path

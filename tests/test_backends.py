@@ -1,0 +1,334 @@
+"""Attention backends on CPU (reference, sdpa, flex): the cases of TESTING.md that apply here."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from attn_cases import (
+    check_backend_against_reference,
+    cu_from_lengths,
+    fwd_bwd,
+    has_backward,
+    make_qkv,
+)
+
+import hf_varlen
+from hf_varlen.backends import get_spec
+from hf_varlen.reference.attention import attention_reference
+
+CPU_BACKENDS = ["sdpa", "flex", "reference"]
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("lengths", [[1, 2, 113], [1023, 1024], [2048], [5, 17, 33, 7]])
+def test_packed_matches_reference(backend, lengths):
+    heads = (4, 2) if sum(lengths) < 1000 else (2, 1)  # long packs: fewer heads keep CI fast
+    check_backend_against_reference(backend, lengths, *heads, 64, torch.float32)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize(
+    "h_q,h_kv,d,causal",
+    [
+        (4, 4, 64, True),
+        (8, 2, 128, True),
+        (8, 1, 64, False),
+        (4, 1, 80, True),
+        (8, 8, 96, False),
+        (16, 2, 128, False),
+    ],
+)
+def test_gqa_head_dims_causality(backend, h_q, h_kv, d, causal):
+    check_backend_against_reference(
+        backend, [37, 1, 50], h_q, h_kv, d, torch.float32, causal=causal
+    )
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+def test_bf16_and_fp16(backend):
+    for dtype in (torch.bfloat16, torch.float16):
+        check_backend_against_reference(backend, [31, 64, 5], 4, 2, 64, dtype)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("window", [(7, -1), (7, 3), (1, 0), (4000, -1)])
+def test_sliding_window(backend, window):
+    causal = window[1] == -1
+    check_backend_against_reference(
+        backend, [50, 3, 20], 4, 2, 64, torch.float32, causal=causal, window=window
+    )
+
+
+def test_window_larger_than_documents_is_no_window():
+    q, k, v = make_qkv([40, 9], 4, 2, 64, torch.float32)
+    cu = cu_from_lengths([40, 9])
+    a = hf_varlen.varlen_attention(q, k, v, cu, cu, 40, 40, backend="sdpa", window_size=(40, -1))
+    b = hf_varlen.varlen_attention(q, k, v, cu, cu, 40, 40, backend="sdpa")
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", ["flex", "reference"])
+def test_softcap(backend):
+    check_backend_against_reference(backend, [20, 45], 4, 2, 64, torch.float32, softcap=0.5)
+
+
+def test_softcap_unsupported_raises_naming_option_and_alternatives():
+    q, k, v = make_qkv([8], 2, 2, 64, torch.float32)
+    cu = cu_from_lengths([8])
+    with pytest.raises(ValueError, match=r"softcap.*Backends that do: .*flex"):
+        hf_varlen.varlen_attention(q, k, v, cu, cu, 8, 8, backend="sdpa", softcap=30.0)
+
+
+def test_dropout_sdpa_runs_and_flex_refuses():
+    q, k, v = make_qkv([16, 16], 2, 2, 64, torch.float32)
+    cu = cu_from_lengths([16, 16])
+    torch.manual_seed(0)
+    out = hf_varlen.varlen_attention(q, k, v, cu, cu, 16, 16, backend="sdpa", dropout_p=0.5)
+    no_drop = hf_varlen.varlen_attention(q, k, v, cu, cu, 16, 16, backend="sdpa")
+    assert torch.isfinite(out).all() and not torch.allclose(out, no_drop)
+    with pytest.raises(ValueError, match="dropout"):
+        hf_varlen.varlen_attention(q, k, v, cu, cu, 16, 16, backend="flex", dropout_p=0.1)
+
+
+def test_many_tiny_documents():
+    g = torch.Generator().manual_seed(1)
+    lengths = torch.randint(
+        1, 5, (600,), generator=g
+    ).tolist()  # 10,000 on the GPU (test_backends_gpu)
+    check_backend_against_reference("sdpa", lengths, 2, 1, 64, torch.float32)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_no_cross_contamination(backend):
+    lengths = [30, 25, 40]
+    q, k, v = make_qkv(lengths, 4, 2, 64, torch.float32)
+    cu = cu_from_lengths(lengths)
+    g = torch.randn_like(q)
+    fn = lambda a, b, c: hf_varlen.varlen_attention(a, b, c, cu, cu, 40, 40, backend=backend)
+    bw = has_backward(backend, "cpu")
+    base = fwd_bwd(fn, q, k, v, g, bw)
+    q2, k2, v2 = q.clone(), k.clone(), v.clone()
+    for t in (q2, k2, v2):
+        t[30:55] = torch.randn_like(t[30:55]) * 3
+    pert = fwd_bwd(fn, q2, k2, v2, g, bw)
+    keep = torch.cat([torch.arange(0, 30), torch.arange(55, 95)])
+    for a, b in zip(base, pert):
+        if a is None:
+            continue
+        if backend == "reference":
+            assert torch.equal(a[keep], b[keep])
+        else:
+            torch.testing.assert_close(a[keep], b[keep], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_packed_equals_each_document_alone(backend):
+    lengths = [12, 50, 7]
+    q, k, v = make_qkv(lengths, 4, 4, 64, torch.float32)
+    cu = cu_from_lengths(lengths)
+    packed = hf_varlen.varlen_attention(q, k, v, cu, cu, 50, 50, backend=backend)
+    start = 0
+    for n in lengths:
+        one = cu_from_lengths([n])
+        alone = hf_varlen.varlen_attention(
+            q[start : start + n],
+            k[start : start + n],
+            v[start : start + n],
+            one,
+            one,
+            n,
+            n,
+            backend=backend,
+        )
+        torch.testing.assert_close(packed[start : start + n], alone, rtol=1e-6, atol=1e-6)
+        start += n
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_strided_views_and_noncontiguous_grad(backend):
+    lengths = [20, 13]
+    total = sum(lengths)
+    cu = cu_from_lengths(lengths)
+    # HF layout: (1, H, T, D) produced by view(...).transpose(1, 2); we get (T, H, D) views of it.
+    base_q = torch.randn(1, total, 4, 64)
+    base_kv = torch.randn(1, total, 2, 2, 64)
+    q = base_q.transpose(1, 2).transpose(1, 2)[0]
+    k, v = base_kv[0, :, :, 0], base_kv[0, :, :, 1]
+    assert not k.is_contiguous()
+    grad = torch.randn(64, 4, total).permute(2, 1, 0)  # non-contiguous upstream gradient
+    fn = lambda a, b, c: hf_varlen.varlen_attention(a, b, c, cu, cu, 20, 20, backend=backend)
+    ref = lambda a, b, c: attention_reference(a, b, c, cu, cu)
+    bw = has_backward(backend, "cpu")
+    got = fwd_bwd(fn, q, k, v, grad, bw)
+    want = fwd_bwd(ref, q.contiguous(), k.contiguous(), v.contiguous(), grad.contiguous(), bw)
+    for a, b in zip(got, want):
+        if a is None:
+            continue
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_out_of_bounds_probe_nan_buffers(backend):
+    lengths = [9, 23]
+    total = sum(lengths)
+    cu = cu_from_lengths(lengths)
+    q, k, v = make_qkv(lengths, 4, 2, 64, torch.float32)
+    big = [torch.full((total + 64, t.shape[1] + 2, 64 + 16), float("nan")) for t in (q, k, v)]
+    views = []
+    for buf, t in zip(big, (q, k, v)):
+        buf[32 : 32 + total, 1 : 1 + t.shape[1], 8:72] = t
+        views.append(buf[32 : 32 + total, 1 : 1 + t.shape[1], 8:72])
+    out = hf_varlen.varlen_attention(*views, cu, cu, 23, 23, backend=backend)
+    want = hf_varlen.varlen_attention(q, k, v, cu, cu, 23, 23, backend=backend)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+
+
+def test_non_inplace_leaves_inputs_bit_identical():
+    q, k, v = make_qkv([10, 20], 4, 2, 64, torch.float32)
+    copies = [t.clone() for t in (q, k, v)]
+    cu = cu_from_lengths([10, 20])
+    for backend in CPU_BACKENDS:
+        hf_varlen.varlen_attention(q, k, v, cu, cu, 20, 20, backend=backend)
+        for a, b in zip((q, k, v), copies):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_deterministic_backward_is_bitwise_repeatable(backend):
+    q, k, v = make_qkv([33, 70], 4, 2, 64, torch.float32)
+    cu = cu_from_lengths([33, 70])
+    g = torch.randn_like(q)
+    fn = lambda a, b, c: hf_varlen.varlen_attention(
+        a, b, c, cu, cu, 70, 70, backend=backend, deterministic=True
+    )
+    bw = has_backward(backend, "cpu")
+    first, second = fwd_bwd(fn, q, k, v, g, bw), fwd_bwd(fn, q, k, v, g, bw)
+    for a, b in zip(first, second):
+        if a is None:
+            continue
+        assert torch.equal(a, b)
+
+
+# ---- bad input: Python exceptions before any launch, naming the argument ----------------------
+
+
+def _valid():
+    q, k, v = make_qkv([4, 6], 4, 2, 64, torch.float32)
+    return q, k, v, cu_from_lengths([4, 6]), 6
+
+
+@pytest.mark.parametrize(
+    "mutate,exc,match",
+    [
+        (
+            lambda a: a.update(cu_q=a["cu_q"].long()),
+            TypeError,
+            "cu_seqlens_q must have dtype torch.int32",
+        ),
+        (lambda a: a.update(cu_k=a["cu_k"][None]), ValueError, "cu_seqlens_k must be 1-D"),
+        (
+            lambda a: a.update(q=a["q"][:, :3]),
+            ValueError,
+            "multiple of the number of key/value heads",
+        ),
+        (lambda a: a.update(v=a["v"].half()), TypeError, "share one floating dtype"),
+        (lambda a: a.update(q=a["q"][..., :32]), ValueError, "same head_dim"),
+        (lambda a: a.update(q=a["q"][0]), ValueError, "q must be packed"),
+        (lambda a: a.update(max_q=torch.tensor(6)), TypeError, "max_seqlen_q must be a Python int"),
+        (lambda a: a.update(window=(3,)), ValueError, "window_size must be a pair"),
+        (lambda a: a.update(backend="nope"), ValueError, "not a known varlen attention backend"),
+    ],
+)
+def test_bad_input_raises_before_launch(mutate, exc, match):
+    q, k, v, cu, m = _valid()
+    args = dict(q=q, k=k, v=v, cu_q=cu, cu_k=cu, max_q=m, max_k=m, window=(-1, -1), backend="sdpa")
+    mutate(args)
+    with pytest.raises(exc, match=match):
+        hf_varlen.varlen_attention(
+            args["q"],
+            args["k"],
+            args["v"],
+            args["cu_q"],
+            args["cu_k"],
+            args["max_q"],
+            args["max_k"],
+            window_size=args["window"],
+            backend=args["backend"],
+        )
+    # the process is still fine afterwards
+    out = hf_varlen.varlen_attention(q, k, v, cu, cu, m, m, backend="sdpa")
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize(
+    "cu,max_len,match",
+    [
+        ([0, 6, 4], 6, "non-decreasing"),
+        ([0, 4, 9], 6, r"cu_seqlens_q\[-1\] must equal"),
+        ([0, 4, 10], 5, "longest document has 6"),
+        ([1, 4, 10], 6, r"cu_seqlens_q\[0\] must be 0"),
+    ],
+)
+def test_full_validation_mode(cu, max_len, match, monkeypatch):
+    q, k, v, _, _ = _valid()
+    cu = torch.tensor(cu, dtype=torch.int32)
+    with pytest.raises(ValueError, match=match):
+        hf_varlen.varlen_attention(q, k, v, cu, cu, max_len, max_len, backend="sdpa", validate=True)
+    monkeypatch.setenv("HF_VARLEN_VALIDATE", "1")
+    with pytest.raises(ValueError, match=match):
+        hf_varlen.varlen_attention(q, k, v, cu, cu, max_len, max_len, backend="sdpa")
+
+
+def test_explicit_unavailable_backend_raises_never_falls_back():
+    if torch.cuda.is_available():
+        pytest.skip("CPU-only check")
+    q, k, v, cu, m = _valid()
+    for name in ("torch", "fa4", "flash_attn", "xformers"):
+        with pytest.raises(
+            RuntimeError, match=f"backend='{name}' was requested but cannot run here"
+        ):
+            hf_varlen.varlen_attention(q, k, v, cu, cu, m, m, backend=name)
+    q.requires_grad_(True)
+    with pytest.raises(ValueError, match="backward on device 'cpu'"):
+        hf_varlen.varlen_attention(q, k, v, cu, cu, m, m, backend="flex")
+
+
+def test_registry_api(monkeypatch):
+    names = hf_varlen.available_backends()
+    assert {"reference", "sdpa", "flex"} <= set(names)
+    with pytest.raises(ValueError, match="known"):
+        hf_varlen.set_backend("bogus")
+    hf_varlen.set_backend("reference")
+    try:
+        assert hf_varlen.default_backend() == "reference"
+    finally:
+        hf_varlen.set_backend(None)
+    monkeypatch.setenv("HF_VARLEN_BACKEND", "flex")
+    assert hf_varlen.default_backend() == "flex"
+    assert get_spec("sdpa").devices >= {"cpu"}
+
+
+def test_auto_picks_sdpa_on_cpu_and_respects_features():
+    from hf_varlen.backends import Request, resolve
+
+    req = Request(
+        device="cpu",
+        dtype=torch.float32,
+        head_dim=64,
+        causal=True,
+        window=False,
+        softcap=False,
+        dropout=False,
+    )
+    assert resolve("auto", req).name == "sdpa"
+    req_cap = Request(
+        device="cpu",
+        dtype=torch.float32,
+        head_dim=64,
+        causal=True,
+        window=False,
+        softcap=True,
+        dropout=False,
+    )
+    assert resolve("auto", req_cap).name == "reference"  # sdpa cannot softcap; reference can
