@@ -15,6 +15,7 @@ from ._common import _IdentityCache, causal_window
 from .registry import BackendSpec, register_backend
 
 _MASKS = _IdentityCache()
+_BLOCK = 128
 _COMPILED = {}
 
 
@@ -24,15 +25,21 @@ def _flex_fns(device_type: str):
     if device_type != "cuda":
         return flex_attention, create_block_mask
     if "attn" not in _COMPILED:
-        _COMPILED["attn"] = torch.compile(flex_attention, dynamic=False)
+        # dynamic=None: the first pack compiles static, later pack sizes reuse one dynamic graph
+        _COMPILED["attn"] = torch.compile(flex_attention, dynamic=None)
     return _COMPILED["attn"], create_block_mask
 
 
 def _doc_index(cu: torch.Tensor, total: int):
-    """Per-token document id, position inside the document, and per-document lengths (device ops)."""
+    """Per-token document id, position inside the document, and per-document lengths (device ops).
+
+    Tokens past cu[-1] (the padding added to reach a multiple of the block size) form one extra
+    trailing document, so they never see a real token and no real token sees them.
+    """
     tok = torch.arange(total, device=cu.device, dtype=torch.int32)
-    doc = torch.searchsorted(cu[1:].contiguous(), tok, right=True).clamp_(max=cu.numel() - 2)
-    return doc, tok - cu[doc], cu.diff()
+    doc = torch.searchsorted(cu[1:].contiguous(), tok, right=True)
+    lengths = torch.cat([cu.diff(), (total - cu[-1:]).to(cu.dtype)])
+    return doc, tok - cu[doc], lengths
 
 
 def document_block_mask(cu_q, cu_k, total_q, total_k, *, causal, window_size, heads=None):
@@ -86,6 +93,15 @@ def flex_backend(
     deterministic,
 ):
     attn, _ = _flex_fns(q.device.type)
+    t_q = q.shape[0]
+    # Pad the token axis to a multiple of the 128-token block: FlexAttention's compiled kernels have
+    # no valid config for some short sequences (torch 2.11: NoValidChoicesError at T=116), and
+    # fewer distinct shapes also means fewer recompiles. Pad tokens form their own document.
+    pad_q, pad_k = -t_q % _BLOCK, -k.shape[0] % _BLOCK
+    if pad_q or pad_k:
+        q = torch.nn.functional.pad(q, (0, 0, 0, 0, 0, pad_q))
+        k = torch.nn.functional.pad(k, (0, 0, 0, 0, 0, pad_k))
+        v = torch.nn.functional.pad(v, (0, 0, 0, 0, 0, pad_k))
     mask = document_block_mask(
         cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], causal=causal, window_size=window_size
     )
@@ -104,7 +120,7 @@ def flex_backend(
         scale=softmax_scale,
         enable_gqa=q.shape[1] != k.shape[1],
     )
-    return out[0].transpose(0, 1)
+    return out[0, :, :t_q].transpose(0, 1)
 
 
 def _probe() -> str | None:
