@@ -1,0 +1,650 @@
+"""Fused, chunked linear cross-entropy: lm_head matmul + cross-entropy without full logits.
+
+Math (per token t with hidden h_t, label y_t; W the (V, H) lm_head weight, b its optional bias;
+s = ``logit_scale``, c = ``softcap``, e = ``label_smoothing``, k = ``z_loss``):
+
+    x_t   = round(h_t @ W^T + b)                 the lm_head matmul, rounded to the input dtype
+    z_tj  = c * tanh(s * x_tj / c)               (z = s * x without a softcap; fp32 from here on)
+    lse_t = log sum_j exp(z_tj)
+    loss_t = lse_t - (1 - e) z_{t,y_t} - (e / V) sum_j z_tj + k lse_t^2     (0 where y_t is ignored)
+    dloss_t / dz_tj = p_tj (1 + 2 k lse_t) - e / V - (1 - e) [j == y_t]      p = softmax(z_t)
+    dloss_t / dx_tj = dloss_t / dz_tj * s * (1 - tanh^2)              (chain through cap and scale)
+
+This is exactly F.cross_entropy(z, y, ignore_index, label_smoothing) (+ the PaLM z-loss) on the
+fp32 upcast of the logits, which is what HF's ``ForCausalLMLoss`` computes. Reductions: "sum"
+(the caller divides by the global label-token count, HF's ``num_items_in_batch``), "mean" (over
+non-ignored tokens; NaN when there are none, like F.cross_entropy) and "none" (per token).
+
+Algorithm. Tokens whose label is ignored are dropped first (one host sync to count them; their loss
+and gradients are exactly zero), then the kept tokens are processed in chunks of C rows:
+
+    logits = h_c @ W^T (+ b)                      cuBLAS, into one reused (C, V) buffer
+    row kernel: lse, loss_t, and dloss/dx written IN PLACE over the logits (fp32 math)
+    dh_c  = dlogits @ W                            cuBLAS, straight into the (N, H) output
+    dW   += dlogits^T @ h_c                        fp32 accumulator (see below)
+    db   += sum_rows(dlogits)
+
+so every gradient is computed during the forward and the backward only scales by grad_output. Extra
+peak memory is C x V (the buffer) + V x H fp32 (dW accumulator) + N x H (dh), never N x V.
+
+Why the dW accumulator is fp32: HF computes dW with one matmul over all N tokens, so it is rounded
+to bf16 once. Accumulating per-chunk products in bf16 would add one bf16 rounding per chunk (error
+growing with N / C: 32 chunks at 128K tokens). An fp32 accumulator keeps a single final rounding, at
+the cost of 4 V H bytes (2.5 GB at V=152K, H=4096) instead of 2 V H. On CUDA the product is added
+by cuBLAS directly into the fp32 buffer (``addmm(out_dtype=float32)``); where that is unavailable
+the bf16 product is added in a second step.
+
+The row kernel reads the (C, V) logits twice (online max/sum-exp, then the gradient) and writes them
+once; it runs one program per row, streaming V in BLOCK_V pieces. A pure-torch version of the same
+row step (same chunking) runs on CPU outside the Triton interpreter, so CPU training is not slowed
+down by the interpreter; ``backend="auto"`` picks by device.
+
+Shapes: hidden (..., H) (e.g. (B, T, H) or packed (T, H)), labels (...) aligned with hidden: the
+label of row t is the target for row t. The op does NOT shift; HF's causal shift belongs to the
+caller (``hf_varlen.integrations.loss`` does it). weight (V, H), bias (V,). Output: fp32 scalar for
+"sum"/"mean", fp32 (...) for "none".
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_REDUCTIONS = ("sum", "mean", "none")
+_BACKENDS = ("auto", "triton", "torch")
+_INT32_LIMIT = 2**31 - 1
+# Logits-buffer budget per chunk: large enough that cuBLAS runs at full speed (C >= 2K rows), small
+# next to what HF materialises (V x N x 10 bytes and more).
+_CHUNK_BYTES = {"cuda": 1 << 30}
+_CHUNK_BYTES_DEFAULT = 1 << 26
+# The interpreter truncates fp32 -> bf16 casts; GPUs round to nearest even. Emulate the GPU there.
+_RTNE_BF16_BY_HAND = tl.constexpr(_INTERPRET)
+
+
+# ----------------------------------------------------------------------------------------------
+# Row kernel
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _tanh(u):
+    """fp32 tanh from exp (no tanh in the interpreter); a series near 0, where 1 - e^-2a cancels."""
+    a = tl.abs(u)
+    e = tl.exp(-2.0 * a)
+    big = (1.0 - e) / (1.0 + e)
+    a2 = a * a
+    small = a * (1.0 + a2 * (-1.0 / 3.0 + a2 * (2.0 / 15.0 + a2 * (-17.0 / 315.0))))
+    t = tl.where(a < 0.125, small, big)
+    return tl.where(u < 0.0, -t, t)
+
+
+@triton.jit
+def _round(x, dtype: tl.constexpr):
+    """Cast fp32 x to dtype, rounding to nearest even (what the cast does on a GPU)."""
+    if _RTNE_BF16_BY_HAND and dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(dtype)
+
+
+@triton.jit
+def _ce_rows_kernel(
+    logits_ptr,  # (C, V) in, dloss/dlogits out (in place)
+    stride_row,
+    labels_ptr,  # (C,) int32/int64
+    loss_ptr,  # (C,) fp32 out
+    row_scale_ptr,  # (C,) fp32 gradient scale per row (only read when HAS_ROW_SCALE)
+    V,
+    ignore_index,
+    softcap,
+    logit_scale,
+    label_smoothing,
+    z_loss,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+    HAS_Z_LOSS: tl.constexpr,
+    HAS_ROW_SCALE: tl.constexpr,
+    COMPUTE_GRAD: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    LONG_INDEXING: tl.constexpr,
+):
+    row = tl.program_id(0)
+    if LONG_INDEXING:
+        row = row.to(tl.int64)
+    row_ptr = logits_ptr + row * stride_row
+    dtype = logits_ptr.dtype.element_ty
+    cols0 = tl.arange(0, BLOCK_V)
+    y = tl.load(labels_ptr + row)
+
+    if y == ignore_index:
+        tl.store(loss_ptr + row, 0.0)
+        if COMPUTE_GRAD:
+            zeros = tl.zeros([BLOCK_V], dtype=tl.float32).to(dtype)
+            for start in range(0, V, BLOCK_V):
+                cols = start + cols0
+                tl.store(row_ptr + cols, zeros, mask=cols < V)
+    else:
+        # Pass 1: online max / sum-exp over V (and sum of z for label smoothing).
+        m = tl.zeros([], dtype=tl.float32) - float("inf")
+        s = tl.zeros([], dtype=tl.float32)
+        sum_z = tl.zeros([], dtype=tl.float32)
+        for start in range(0, V, BLOCK_V):
+            cols = start + cols0
+            mask = cols < V
+            z = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32) * logit_scale
+            if HAS_SOFTCAP:
+                z = softcap * _tanh(z / softcap)
+            if HAS_SMOOTHING:
+                sum_z += tl.sum(tl.where(mask, z, 0.0), axis=0)
+            z = tl.where(mask, z, float("-inf"))
+            m_new = tl.maximum(m, tl.max(z, axis=0))
+            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
+            m = m_new
+        lse = m + tl.log(s)
+
+        # An out-of-range label (not ignore_index) makes the row's loss NaN instead of reading
+        # out of bounds: a loud result without a host-side check of the label values.
+        in_range = (y >= 0) & (y < V)
+        z_y = tl.load(row_ptr + tl.where(in_range, y, 0)).to(tl.float32) * logit_scale
+        if HAS_SOFTCAP:
+            z_y = softcap * _tanh(z_y / softcap)
+        loss = lse - (1.0 - label_smoothing) * z_y
+        if HAS_SMOOTHING:
+            loss -= label_smoothing * sum_z / V
+        if HAS_Z_LOSS:
+            loss += z_loss * lse * lse
+        tl.store(loss_ptr + row, tl.where(in_range, loss, float("nan")))
+
+        # Pass 2: dloss/dlogits over the same row, written over the logits.
+        if COMPUTE_GRAD:
+            scale = logit_scale
+            if HAS_ROW_SCALE:
+                scale = scale * tl.load(row_scale_ptr + row)
+            p_coef = 1.0
+            if HAS_Z_LOSS:
+                p_coef = 1.0 + 2.0 * z_loss * lse
+            for start in range(0, V, BLOCK_V):
+                cols = start + cols0
+                mask = cols < V
+                z = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32) * logit_scale
+                if HAS_SOFTCAP:
+                    t = _tanh(z / softcap)
+                    z = softcap * t
+                g = tl.exp(z - lse) * p_coef
+                if HAS_SMOOTHING:
+                    g -= label_smoothing / V
+                g = tl.where(cols == y, g - (1.0 - label_smoothing), g)
+                if HAS_SOFTCAP:
+                    g = g * (1.0 - t * t)
+                tl.store(row_ptr + cols, _round(g * scale, dtype), mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# Row step launchers (tensor in/out, no autograd): Triton and pure torch, same contract
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _LossConfig:
+    ignore_index: int
+    reduction: str
+    softcap: float | None
+    logit_scale: float
+    label_smoothing: float
+    z_loss: float
+    chunk_size: int | None
+    backend: str  # "triton" | "torch" (resolved)
+
+
+def ce_rows_triton(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    loss: torch.Tensor,
+    cfg: _LossConfig,
+    *,
+    compute_grad: bool,
+    row_scale: torch.Tensor | None = None,
+    block_v: int | None = None,
+) -> None:
+    """Row step on a (C, V) logits chunk: per-row loss into ``loss``, dloss/dlogits in place."""
+    n_rows, vocab = logits.shape
+    if n_rows == 0:
+        return
+    if logits.stride(1) != 1:
+        raise ValueError(f"logits: expected a unit last-dim stride, got strides {logits.stride()}")
+    block = block_v or min(4096, triton.next_power_of_2(vocab))
+    long_indexing = (n_rows - 1) * logits.stride(0) + vocab > _INT32_LIMIT
+    _ce_rows_kernel[(n_rows,)](
+        logits,
+        logits.stride(0),
+        labels,
+        loss,
+        row_scale if row_scale is not None else loss,
+        vocab,
+        cfg.ignore_index,
+        float(cfg.softcap or 1.0),
+        float(cfg.logit_scale),
+        float(cfg.label_smoothing),
+        float(cfg.z_loss),
+        HAS_SOFTCAP=cfg.softcap is not None,
+        HAS_SMOOTHING=cfg.label_smoothing > 0.0,
+        HAS_Z_LOSS=cfg.z_loss > 0.0,
+        HAS_ROW_SCALE=row_scale is not None,
+        COMPUTE_GRAD=compute_grad,
+        BLOCK_V=block,
+        LONG_INDEXING=bool(long_indexing),
+        num_warps=8 if block >= 2048 else 4,
+    )
+
+
+def ce_rows_torch(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    loss: torch.Tensor,
+    cfg: _LossConfig,
+    *,
+    compute_grad: bool,
+    row_scale: torch.Tensor | None = None,
+) -> None:
+    """Same contract as :func:`ce_rows_triton`, in torch ops (fp32 temporaries of the chunk)."""
+    n_rows, vocab = logits.shape
+    if n_rows == 0:
+        return
+    eps = cfg.label_smoothing
+    z = logits.float() * cfg.logit_scale
+    t = None
+    if cfg.softcap is not None:
+        t = torch.tanh(z / cfg.softcap)
+        z = t * cfg.softcap
+    lse = torch.logsumexp(z, dim=1)
+    ignored = labels == cfg.ignore_index
+    in_range = (labels >= 0) & (labels < vocab)
+    y = torch.where(in_range, labels, 0).long()[:, None]
+    row = lse - (1.0 - eps) * z.gather(1, y).squeeze(1)
+    if eps > 0.0:
+        row -= eps * z.mean(dim=1)
+    if cfg.z_loss > 0.0:
+        row += cfg.z_loss * lse.square()
+    row = torch.where(in_range, row, float("nan")).masked_fill(ignored, 0.0)
+    loss.copy_(row)
+    if not compute_grad:
+        return
+    g = z.sub_(lse[:, None]).exp_()
+    if cfg.z_loss > 0.0:
+        g *= (1.0 + 2.0 * cfg.z_loss * lse)[:, None]
+    if eps > 0.0:
+        g -= eps / vocab
+    g.scatter_add_(1, y, g.new_full(y.shape, eps - 1.0))
+    if t is not None:
+        g *= 1.0 - t.square()
+    scale = torch.full((n_rows,), cfg.logit_scale, dtype=torch.float32, device=g.device)
+    if row_scale is not None:
+        scale = scale * row_scale
+    g *= scale.masked_fill(ignored, 0.0)[:, None]
+    logits.copy_(g)
+
+
+# ----------------------------------------------------------------------------------------------
+# Chunk driver: matmuls + row step, all gradients during the forward
+# ----------------------------------------------------------------------------------------------
+
+_ADDMM_OUT_DTYPE_OK: dict[tuple, bool] = {}
+
+
+def _addmm_out_dtype_ok(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``addmm(acc32, a, b, out_dtype=float32, out=acc32)`` works here (probed once)."""
+    key = (device.type, device.index, dtype)
+    if key not in _ADDMM_OUT_DTYPE_OK:
+        ok = False
+        if device.type == "cuda":
+            try:
+                gen = torch.Generator(device=device).manual_seed(0)
+                a = torch.randn(64, 96, device=device, generator=gen).to(dtype).t()
+                b = torch.randn(64, 80, device=device, generator=gen).to(dtype)
+                acc = torch.randn(96, 80, device=device, generator=gen)
+                want = acc + a.float() @ b.float()
+                torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+                ok = bool(torch.allclose(acc, want, rtol=1e-3, atol=1e-3))
+            except (RuntimeError, TypeError, NotImplementedError):
+                ok = False
+        _ADDMM_OUT_DTYPE_OK[key] = ok
+    return _ADDMM_OUT_DTYPE_OK[key]
+
+
+def _accumulate_wgrad(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc (fp32) += a @ b with a, b in the compute dtype, rounding the product only into fp32."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    elif _addmm_out_dtype_ok(acc.device, a.dtype):
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:
+        acc.add_(torch.mm(a, b))
+
+
+def default_chunk_size(n_rows: int, vocab: int, dtype: torch.dtype, device: torch.device) -> int:
+    """Chunk rows C (a multiple of 256) so the (C, V) logits buffer fits a per-device budget."""
+    budget = _CHUNK_BYTES.get(device.type, _CHUNK_BYTES_DEFAULT)
+    rows = budget // (vocab * torch.empty((), dtype=dtype).element_size())
+    return max(1, min(n_rows, max(256, rows // 256 * 256)))
+
+
+def linear_ce_chunks(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    labels: torch.Tensor,
+    cfg: _LossConfig,
+    *,
+    need_dh: bool,
+    need_dw: bool,
+    need_db: bool,
+    row_scale: torch.Tensor | None = None,
+):
+    """Loss per row (N,) fp32 and, if asked, dh (N, H), dW (V, H), db (V,) in the input dtypes.
+
+    hidden (N, H), labels (N,) may contain ignored rows (they get zero loss and gradient). The
+    gradients are those of sum(loss_t * row_scale_t) (row_scale = 1 when None).
+    """
+    n_rows, _ = hidden.shape
+    vocab = weight.shape[0]
+    compute_grad = need_dh or need_dw or need_db
+    chunk = cfg.chunk_size or default_chunk_size(n_rows, vocab, hidden.dtype, hidden.device)
+    rows_fn = ce_rows_triton if cfg.backend == "triton" else ce_rows_torch
+
+    loss = torch.empty(n_rows, dtype=torch.float32, device=hidden.device)
+    dh = torch.empty_like(hidden) if need_dh else None
+    dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_dw else None
+    db = torch.zeros(vocab, dtype=torch.float32, device=weight.device) if need_db else None
+    buf = torch.empty(min(chunk, n_rows), vocab, dtype=hidden.dtype, device=hidden.device)
+    w_t = weight.t()
+    h_c = lg = None
+    for start in range(0, n_rows, chunk):
+        stop = min(start + chunk, n_rows)
+        h_c, lg = hidden[start:stop], buf[: stop - start]
+        if bias is None:
+            torch.mm(h_c, w_t, out=lg)
+        else:
+            torch.addmm(bias, h_c, w_t, out=lg)
+        scale_c = None if row_scale is None else row_scale[start:stop]
+        rows_fn(
+            lg,
+            labels[start:stop],
+            loss[start:stop],
+            cfg,
+            compute_grad=compute_grad,
+            row_scale=scale_c,
+        )
+        if need_dh:
+            torch.mm(lg, weight, out=dh[start:stop])
+        if need_dw:
+            _accumulate_wgrad(dw, lg.t(), h_c)
+        if need_db:
+            db += lg.sum(dim=0, dtype=torch.float32)
+    del buf, h_c, lg  # free the chunk buffer (views included) before dW's cast allocates
+    if dw is not None and dw.dtype != weight.dtype:
+        dw = dw.to(weight.dtype)
+    if db is not None:
+        db = db.to(bias.dtype)
+    return loss, dh, dw, db
+
+
+# ----------------------------------------------------------------------------------------------
+# Autograd glue
+# ----------------------------------------------------------------------------------------------
+
+
+def _scatter_rows(values: torch.Tensor, idx: torch.Tensor | None, n_rows: int) -> torch.Tensor:
+    """Put the rows computed for the kept tokens back at their places among all n_rows (zeros)."""
+    if idx is None:
+        return values
+    out = values.new_zeros((n_rows, *values.shape[1:]))
+    return out.index_copy_(0, idx, values)
+
+
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, cfg: _LossConfig):
+        need_dh, need_dw, need_db = ctx.needs_input_grad[:3]
+        need_grad = need_dh or need_dw or need_db
+        n_rows = hidden.shape[0]
+        # Drop ignored tokens before the matmuls: their loss and gradients are exactly zero.
+        keep = labels != cfg.ignore_index
+        n_valid = int(keep.sum())  # the op's one host sync: the chunk loop needs the row count
+        idx = None if n_valid == n_rows else keep.nonzero().squeeze(1)
+        h = hidden if idx is None else hidden.index_select(0, idx)
+        y = labels if idx is None else labels.index_select(0, idx)
+        ctx.cfg, ctx.idx, ctx.n_rows, ctx.n_valid = cfg, idx, n_rows, n_valid
+
+        # "none" has a per-token grad_output, known only in backward: recompute there.
+        defer = cfg.reduction == "none" and need_grad
+        loss, dh, dw, db = linear_ce_chunks(
+            h,
+            weight,
+            bias,
+            y,
+            cfg,
+            need_dh=need_dh and not defer,
+            need_dw=need_dw and not defer,
+            need_db=need_db and not defer,
+        )
+        if defer:
+            ctx.save_for_backward(h, weight, bias, y)
+        elif need_grad:
+            ctx.grads = (None if dh is None else _scatter_rows(dh, idx, n_rows), dw, db)
+
+        if cfg.reduction == "none":
+            return _scatter_rows(loss, idx, n_rows)
+        total = loss.sum()
+        return total if cfg.reduction == "sum" else total / n_valid
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        cfg = ctx.cfg
+        if cfg.reduction == "none":
+            h, weight, bias, y = ctx.saved_tensors
+            scale = (
+                grad_out.float() if ctx.idx is None else grad_out.float().index_select(0, ctx.idx)
+            )
+            _, dh, dw, db = linear_ce_chunks(
+                h,
+                weight,
+                bias,
+                y,
+                cfg,
+                need_dh=ctx.needs_input_grad[0],
+                need_dw=ctx.needs_input_grad[1],
+                need_db=ctx.needs_input_grad[2],
+                row_scale=scale.contiguous(),
+            )
+            dh = None if dh is None else _scatter_rows(dh, ctx.idx, ctx.n_rows)
+            return dh, dw, db, None, None
+
+        grads = getattr(ctx, "grads", None)
+        if grads is None:
+            raise RuntimeError(
+                "fused_linear_cross_entropy: backward ran twice. Its gradients are computed in the "
+                "forward and handed out once (retain_graph / double backward is not supported); "
+                "call the op again for a second backward."
+            )
+        ctx.grads = None
+        factor = grad_out.float()
+        if cfg.reduction == "mean":
+            factor = factor / ctx.n_valid if ctx.n_valid else factor * float("nan")
+        # In place: these buffers belong to this node only and are released right here.
+        return tuple(None if g is None else g.mul_(factor) for g in grads) + (None, None)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public function
+# ----------------------------------------------------------------------------------------------
+
+
+def _resolve_backend(backend: str, device: torch.device) -> str:
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend: expected one of {_BACKENDS}, got {backend!r}")
+    triton_ok = device.type == "cuda" or (device.type == "cpu" and _INTERPRET)
+    if backend == "auto":
+        return "triton" if triton_ok else "torch"
+    if backend == "triton" and not triton_ok:
+        raise ValueError(
+            "backend: 'triton' needs a CUDA tensor, or TRITON_INTERPRET=1 set before import on "
+            "CPU; "
+            f"got a {device.type} tensor (TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r})"
+        )
+    return backend
+
+
+def _check_inputs(
+    hidden,
+    weight,
+    labels,
+    bias,
+    reduction,
+    softcap,
+    label_smoothing,
+    z_loss,
+    chunk_size,
+    logit_scale,
+):
+    for name, t in (("hidden", hidden), ("weight", weight), ("labels", labels)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if type(weight).__name__ == "DTensor" or type(hidden).__name__ == "DTensor":
+        raise TypeError(
+            "weight/hidden: expected plain tensors, got a DTensor (FSDP2/TP shard); gather it "
+            "first "
+            "(weight.full_tensor()) or call the op inside the lm_head module's forward"
+        )
+    if hidden.dtype not in _DTYPES:
+        raise TypeError(f"hidden: expected dtype in {_DTYPES}, got {hidden.dtype}")
+    if weight.dtype != hidden.dtype:
+        raise TypeError(
+            f"weight: expected dtype {hidden.dtype} (the hidden dtype), got {weight.dtype}"
+        )
+    if hidden.dim() < 2:
+        raise ValueError(
+            f"hidden: expected shape (..., H) with >= 2 dims, got {tuple(hidden.shape)}"
+        )
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"weight: expected shape (V, {hidden.shape[-1]}), got {tuple(weight.shape)}"
+        )
+    if labels.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"labels: expected dtype int64 or int32, got {labels.dtype}")
+    if labels.shape != hidden.shape[:-1]:
+        raise ValueError(
+            f"labels: expected shape {tuple(hidden.shape[:-1])} (hidden without its last dim; "
+            f"labels are aligned, not shifted), got {tuple(labels.shape)}"
+        )
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor) or bias.shape != (weight.shape[0],):
+            raise ValueError(
+                f"bias: expected a tensor of shape ({weight.shape[0]},), got {bias!r:.80}"
+            )
+        if bias.dtype != hidden.dtype:
+            raise TypeError(f"bias: expected dtype {hidden.dtype}, got {bias.dtype}")
+    for name, t in (("weight", weight), ("labels", labels), ("bias", bias)):
+        if t is not None and t.device != hidden.device:
+            raise ValueError(f"{name}: expected device {hidden.device} (hidden's), got {t.device}")
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction: expected one of {_REDUCTIONS}, got {reduction!r}")
+    if softcap is not None and not (isinstance(softcap, int | float) and softcap > 0):
+        raise ValueError(f"softcap: expected None or a positive number, got {softcap!r}")
+    if not (isinstance(label_smoothing, int | float) and 0.0 <= label_smoothing < 1.0):
+        raise ValueError(f"label_smoothing: expected a number in [0, 1), got {label_smoothing!r}")
+    if not (isinstance(z_loss, int | float) and z_loss >= 0.0):
+        raise ValueError(f"z_loss: expected a number >= 0, got {z_loss!r}")
+    if not isinstance(logit_scale, int | float) or logit_scale == 0:
+        raise ValueError(f"logit_scale: expected a non-zero number, got {logit_scale!r}")
+    if chunk_size is not None and (
+        isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
+    ):
+        raise ValueError(f"chunk_size: expected None or a positive int, got {chunk_size!r}")
+
+
+def fused_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    reduction: str = "sum",
+    softcap: float | None = None,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    chunk_size: int | None = None,
+    logit_scale: float = 1.0,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Cross-entropy of ``hidden @ weight.T (+ bias)`` against ``labels`` without the full logits.
+
+    Args:
+        hidden: (..., H) fp16/bf16/fp32 hidden states (the final norm output), any leading shape.
+        weight: (V, H) lm_head weight in hidden's dtype (may be the tied embedding matrix: its
+            gradient is returned to autograd, which adds it to the embedding's own).
+        labels: (...) int64/int32 targets ALIGNED with hidden (row t predicts labels[t]); shift
+            them beforehand for causal LM training. ``ignore_index`` rows contribute nothing.
+        bias: optional (V,) lm_head bias.
+        reduction: "sum" (divide by the global label-token count yourself, as HF does with
+            ``num_items_in_batch``), "mean" over non-ignored tokens (NaN if there are none), or
+            "none" (per-token loss shaped like labels; its backward recomputes the logits).
+        softcap: final-logit softcap c (Gemma2): z = c * tanh(z / c), applied after ``logit_scale``.
+        label_smoothing: as in F.cross_entropy.
+        z_loss: coefficient k of the auxiliary k * logsumexp(z)^2 per non-ignored token.
+        chunk_size: tokens per chunk (default: a ~1 GiB logits buffer on CUDA, 64 MiB elsewhere).
+        logit_scale: multiplies the logits before the softcap (Cohere ``logit_scale``, Granite
+            ``1 / logits_scaling``).
+        backend: "auto" (Triton on CUDA or under TRITON_INTERPRET=1, else torch), "triton", "torch".
+
+    Returns:
+        fp32 loss: a scalar for "sum"/"mean", labels-shaped for "none".
+
+    Gradients for hidden, weight and bias are computed in the forward (only for inputs that require
+    them) and scaled by grad_output in the backward, so the graph can be backpropagated once. Under
+    autocast the inputs are cast to the autocast dtype, as nn.Linear would be. Counting the kept
+    tokens costs one host sync per call; labels outside [0, V) give a NaN loss.
+    """
+    if isinstance(hidden, torch.Tensor) and torch.is_autocast_enabled(hidden.device.type):
+        dtype = torch.get_autocast_dtype(hidden.device.type)
+        hidden, weight = hidden.to(dtype), weight.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
+    _check_inputs(
+        hidden,
+        weight,
+        labels,
+        bias,
+        reduction,
+        softcap,
+        label_smoothing,
+        z_loss,
+        chunk_size,
+        logit_scale,
+    )
+    if not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index: expected an int, got {type(ignore_index).__name__}")
+    cfg = _LossConfig(
+        ignore_index=ignore_index,
+        reduction=reduction,
+        softcap=None if softcap is None else float(softcap),
+        logit_scale=float(logit_scale),
+        label_smoothing=float(label_smoothing),
+        z_loss=float(z_loss),
+        chunk_size=chunk_size,
+        backend=_resolve_backend(backend, hidden.device),
+    )
+    lead_shape = labels.shape
+    h2 = hidden.reshape(-1, hidden.shape[-1])
+    if h2.stride(-1) != 1:
+        h2 = h2.contiguous()
+    y = labels.reshape(-1)
+    with torch.autocast(hidden.device.type, enabled=False):
+        loss = _FusedLinearCrossEntropy.apply(h2, weight, bias, y, cfg)
+    return loss.view(lead_shape) if reduction == "none" else loss
