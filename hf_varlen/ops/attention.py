@@ -1,0 +1,195 @@
+"""Triton varlen flash attention (forward + backward) with a compact, heaviest-first tile schedule.
+
+    o_i = sum_j softmax_j(s_ij) v_j,   s_ij = scale * q_i . k_j   (softcap: softcap * tanh(s / softcap))
+
+over packed documents: query i sees key j only inside its own document, and there only when the
+FlashAttention-2 rules allow it (causal with bottom-right alignment, sliding window (left, right),
+-1 = unbounded). GQA/MQA: query head h uses KV head h // (H_q / H_kv).
+
+Shapes: q (T_q, H_q, D), k/v (T_k, H_kv, D), cu_seqlens_q/k (n_docs + 1,) int32 (document i is rows
+cu[i]:cu[i+1]), out (T_q, H_q, D), lse (H_q, T_q) fp32 (natural log; +inf for rows that see no key).
+
+Why it is fast on packs of short documents (details in attention_schedule.py): the grid covers only
+real tokens (ceil(T / tile) tiles x head groups, from T alone - no device->host sync), several short
+documents share one tile behind a block-diagonal mask, query heads of a KV group are folded into one
+tile, heavy tiles are launched first, and configs depend on head_dim/dtype only, so a new pack never
+recompiles. ``max_seqlen_*`` are accepted for API compatibility and never used.
+
+Backward: a dQ kernel and a dK/dV kernel, no atomics: every mode is bitwise deterministic, so
+``deterministic=True`` (or FLASH_ATTENTION_DETERMINISTIC=1, or torch's deterministic algorithms)
+costs nothing. Dropout is not implemented (dropout_p > 0 raises).
+
+Module layout: attention_schedule.py (bounds, tile orders, configs), attention_fwd.py (forward
+kernel), attention_bwd.py (backward kernels), this file (validation, autograd, public function).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from .attention_bwd import attention_backward
+from .attention_fwd import attention_forward
+from .attention_schedule import fold_factor, get_plan, pick_config
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+
+
+def resolve_deterministic(deterministic: bool | None) -> bool:
+    """The deterministic request: the argument, $FLASH_ATTENTION_DETERMINISTIC, or torch's flag."""
+    return bool(
+        deterministic
+        or os.environ.get("FLASH_ATTENTION_DETERMINISTIC", "0") == "1"
+        or torch.are_deterministic_algorithms_enabled()
+    )
+
+
+def _window(causal: bool, window_size) -> tuple[int, int]:
+    try:
+        left, right = (int(w) for w in window_size)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"window_size must be a pair of ints (left, right), got {window_size!r}"
+        ) from None
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size entries must be >= -1 (-1 = unbounded), got {window_size!r}")
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
+    return left, right
+
+
+def _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softcap) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be a 3-D tensor (tokens, heads, head_dim), got {shape}")
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"q.dtype must be one of {SUPPORTED_DTYPES}, got {q.dtype}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.shape != v.shape:
+        raise ValueError(
+            f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}"
+        )
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"head_dim of q ({q.shape[2]}) and k/v ({k.shape[2]}) must match")
+    if not 1 <= q.shape[2] <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be in [1, {MAX_HEAD_DIM}], got {q.shape[2]}")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
+        raise ValueError(
+            f"the number of query heads ({q.shape[1]}) must be a multiple of the number of KV "
+            f"heads ({k.shape[1]})"
+        )
+    for name, t in (("k", k), ("v", v)):
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(cu, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
+        if cu.dtype != torch.int32:
+            raise TypeError(f"{name} must be int32, got {cu.dtype}")
+        if cu.dim() != 1 or cu.numel() < 1:
+            raise ValueError(
+                f"{name} must be 1-D with n_docs + 1 >= 1 entries, got {tuple(cu.shape)}"
+            )
+        if cu.device != q.device:
+            raise ValueError(f"{name} is on {cu.device} but q is on {q.device}")
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must have the same length, got {cu_seqlens_q.numel()} "
+            f"and {cu_seqlens_k.numel()}"
+        )
+    if dropout_p != 0.0:
+        raise ValueError(f"dropout_p > 0 is not supported by the triton backend, got {dropout_p}")
+    if softcap < 0:
+        raise ValueError(f"softcap must be >= 0 (0 = off), got {softcap}")
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+class _TritonVarlenAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, softmax_scale, left, right, softcap):
+        q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+        cfg = pick_config(q.shape[2], q.dtype, q.device)
+        group = q.shape[1] // k.shape[1]
+        fold = fold_factor(group, cfg.fwd_block_m, cfg.fwd_min_tokens)
+        plan = get_plan(cu_q, cu_k, q.shape[0], k.shape[0], left, right)
+        o, lse = attention_forward(
+            q, k, v, plan.lo_q, plan.hi_q, plan.order_q(cfg.fwd_block_m // fold),
+            softmax_scale=softmax_scale, softcap=softcap, fold=fold,
+            block_m=cfg.fwd_block_m, block_n=cfg.fwd_block_n,
+            num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
+        )  # fmt: skip
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.plan, ctx.cfg = plan, cfg
+        ctx.args = (softmax_scale, softcap, group)
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, _dlse):
+        q, k, v, o, lse = ctx.saved_tensors
+        softmax_scale, softcap, group = ctx.args
+        cfg = ctx.cfg
+        dq, dk, dv = attention_backward(
+            _last_dim_contiguous(do), q, k, v, o, lse, ctx.plan,
+            softmax_scale=softmax_scale, softcap=softcap, cfg=cfg,
+            fold_dq=fold_factor(group, cfg.dq_block_m, cfg.dq_min_tokens),
+            fold_kv=fold_factor(group, cfg.kv_block_m, cfg.kv_min_tokens),
+        )  # fmt: skip
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+def triton_varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    *,
+    softmax_scale: float | None = None,
+    causal: bool = True,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    dropout_p: float = 0.0,
+    deterministic: bool | None = None,
+    return_lse: bool = False,
+):
+    """Varlen (packed) attention with FlashAttention-2 semantics, autograd-capable.
+
+    Args:
+        q: (T_q, H_q, D) fp16/bf16 (fp32 is accepted and computed in IEEE fp32); strided views
+            are fine as long as the last dimension is contiguous (otherwise it is copied).
+        k, v: (T_k, H_kv, D), same dtype and device; H_q must be a multiple of H_kv (GQA/MQA).
+        cu_seqlens_q, cu_seqlens_k: (n_docs + 1,) int32 on q's device, non-decreasing, with
+            cu[-1] == T (not checked here: that needs a device sync; rows past cu[-1] give zeros).
+        max_seqlen_q, max_seqlen_k: accepted for API compatibility; the kernel never needs them.
+        softmax_scale: defaults to D ** -0.5.
+        causal: causal mask, bottom-right aligned when a document's L_q != L_k.
+        window_size: (left, right) sliding window, -1 = unbounded; causal forces right = 0.
+        softcap: > 0 applies ``softcap * tanh(s / softcap)`` to the scaled scores (Gemma-2).
+        dropout_p: must be 0 (dropout is not implemented; > 0 raises ValueError).
+        deterministic: accepted; the backward is bitwise deterministic in every mode.
+        return_lse: also return lse (H_q, T_q) fp32.
+
+    Returns:
+        out (T_q, H_q, D) in q's dtype, or (out, lse) with ``return_lse=True``. Queries that see no
+        key (e.g. an empty window) give zeros.
+    """
+    softcap = float(softcap or 0.0)
+    _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, float(dropout_p or 0.0), softcap)
+    left, right = _window(causal, window_size)
+    scale = 1.0 / math.sqrt(q.shape[2]) if softmax_scale is None else float(softmax_scale)
+    resolve_deterministic(deterministic)  # every mode is deterministic; kept for the contract
+    out, lse = _TritonVarlenAttention.apply(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, scale, left, right, softcap
+    )
+    return (out, lse) if return_lse else out

@@ -1,0 +1,346 @@
+"""Backward kernels of the Triton varlen attention: dQ (+ delta) per query tile, dK/dV per key tile.
+
+With P = exp(S - lse) recomputed from the saved lse, dO the upstream gradient and
+delta = rowsum(dO * O):
+
+    dV = P^T dO        dP = dO V^T        dS = P * (dP - delta)   (* (1 - tanh^2) with a softcap)
+    dQ = scale * dS K  dK = scale * dS^T Q
+
+Two kernels, no atomics, so the backward is bitwise deterministic in every mode:
+1. ``_attn_bwd_dq_kernel``: the forward's tiling (query tokens x folded query heads, keys
+   [min lo, max hi]); it first computes and stores delta for its rows, then accumulates dQ.
+2. ``_attn_bwd_dkdv_kernel``: one program per (key tile of BLOCK_N tokens, KV head); it walks the
+   query rows [min qlo, max qhi] that see the tile, for every query head of the KV group
+   (``FOLD`` heads per step), so GQA/MQA gradients are summed in registers, never through memory.
+
+Both are launched over heaviest-first tile orders (attention_schedule.py).
+Shapes: q/do/o/dq (T_q, H_q, D), k/v/dk/dv (T_k, H_kv, D), lse/delta (H_q, T_q) fp32,
+lo/hi (T_q,) and qlo/qhi (T_k,) int32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .attention_fwd import (
+    _dot,
+    _load,
+    _scores,
+    _split,
+    _tanh,
+    needs_long_indexing,
+    score_constants,
+)
+
+
+@triton.jit
+def _dq_step(
+    dq, q, do, lse2, delta, k_base, v_base, start, span_hi, lo, hi, d, d_ok, stride_kt, stride_vt,
+    scale_a, scale_b, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
+    LONG_INDEXING: tl.constexpr, EVEN_D: tl.constexpr, MASKED: tl.constexpr,
+):  # fmt: skip
+    cols = start + tl.arange(0, BLOCK_N)
+    col_ok = cols <= span_hi
+    if LONG_INDEXING:
+        cols = cols.to(tl.int64)
+    kt = _load(
+        k_base + cols[None, :] * stride_kt + d[:, None],
+        col_ok[None, :],
+        d_ok[:, None],
+        MASKED,
+        EVEN_D,
+    )
+    vt = _load(
+        v_base + cols[None, :] * stride_vt + d[:, None],
+        col_ok[None, :],
+        d_ok[:, None],
+        MASKED,
+        EVEN_D,
+    )
+    qk = _dot(q, kt, IEEE)
+    p = tl.exp2(_scores(qk, scale_a, scale_b, SOFTCAP) - lse2[:, None])
+    if MASKED:
+        vis = (cols[None, :] >= lo[:, None]) & (cols[None, :] <= hi[:, None])
+        p = tl.where(vis, p, 0.0)
+    ds = p * (_dot(do, vt, IEEE) - delta[:, None])
+    if SOFTCAP:
+        t = _tanh(qk * scale_a)
+        ds = ds * (1.0 - t * t)
+    return dq + _dot(ds.to(kt.dtype), tl.trans(kt), IEEE)
+
+
+@triton.jit(do_not_specialize=["T_q", "T_k"])
+def _attn_bwd_dq_kernel(
+    Q, K, V, O, DO, LSE, DELTA, DQ, LO, HI, ORDER,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    stride_dot, stride_doh, stride_dqt, stride_dqh,
+    T_q, T_k, N_HEAD_BLOCKS, scale_a, scale_b, sm_scale,
+    GROUP: tl.constexpr, FOLD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
+    LONG_INDEXING: tl.constexpr,
+):  # fmt: skip
+    EMPTY: tl.constexpr = 2147483647
+    TILE: tl.constexpr = BLOCK_M // FOLD
+    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+    pid = tl.program_id(0)
+    tile = tl.load(ORDER + pid // N_HEAD_BLOCKS)
+    head_block = pid % N_HEAD_BLOCKS
+    r = tl.arange(0, BLOCK_M)
+    tok = tile * TILE + r // FOLD
+    head = head_block * FOLD + r % FOLD
+    kv_head = (head_block * FOLD) // GROUP
+    row_ok = (r < TILE * FOLD) & (tok < T_q)
+    if LONG_INDEXING:
+        tok = tok.to(tl.int64)
+        head = head.to(tl.int64)
+        kv_head = kv_head.to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    io_mask = row_ok[:, None] & d_ok[None, :]
+
+    lo = tl.load(LO + tok, mask=row_ok, other=EMPTY)
+    hi = tl.load(HI + tok, mask=row_ok, other=-1)
+    span_lo = tl.min(lo, 0)
+    span_hi = tl.max(hi, 0)
+    full_lo = tl.max(tl.where(row_ok, lo, -1), 0)
+    full_hi = tl.min(tl.where(row_ok, hi, EMPTY), 0)
+    n_head, n_mid, n_all = _split(span_lo, span_hi, full_lo, full_hi, BLOCK_N)
+
+    q = tl.load(
+        Q + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=io_mask,
+        other=0.0,
+    )
+    do = tl.load(
+        DO + tok[:, None] * stride_dot + head[:, None] * stride_doh + d[None, :],
+        mask=io_mask,
+        other=0.0,
+    )
+    o = tl.load(
+        O + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+        mask=io_mask,
+        other=0.0,
+    )
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(DELTA + head * T_q + tok, delta, mask=row_ok)
+    # rows that see no key (and padding rows) have lse = +inf, hence p = 0
+    lse2 = tl.load(LSE + head * T_q + tok, mask=row_ok, other=float("inf")) * 1.4426950408889634
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    k_base = K + kv_head * stride_kh
+    v_base = V + kv_head * stride_vh
+    args = (q, do, lse2, delta, k_base, v_base)
+    for i in range(0, n_head):
+        dq = _dq_step(
+            dq, *args, span_lo + i * BLOCK_N, span_hi, lo, hi, d, d_ok, stride_kt, stride_vt,
+            scale_a, scale_b, BLOCK_N, SOFTCAP, IEEE, LONG_INDEXING, EVEN_D, True,
+        )  # fmt: skip
+    for i in range(n_head, n_head + n_mid):
+        dq = _dq_step(
+            dq, *args, span_lo + i * BLOCK_N, span_hi, lo, hi, d, d_ok, stride_kt, stride_vt,
+            scale_a, scale_b, BLOCK_N, SOFTCAP, IEEE, LONG_INDEXING, EVEN_D, False,
+        )  # fmt: skip
+    for i in range(n_head + n_mid, n_all):
+        dq = _dq_step(
+            dq, *args, span_lo + i * BLOCK_N, span_hi, lo, hi, d, d_ok, stride_kt, stride_vt,
+            scale_a, scale_b, BLOCK_N, SOFTCAP, IEEE, LONG_INDEXING, EVEN_D, True,
+        )  # fmt: skip
+    tl.store(
+        DQ + tok[:, None] * stride_dqt + head[:, None] * stride_dqh + d[None, :],
+        (dq * sm_scale).to(DQ.dtype.element_ty),
+        mask=io_mask,
+    )
+
+
+@triton.jit
+def _dkdv_step(
+    dk, dv, k, v, Q, DO, LSE, DELTA, head, r, start, span_hi, qlo, qhi, d, d_ok, stride_qt,
+    stride_qh, stride_dot, stride_doh, T_q, scale_a, scale_b, FOLD: tl.constexpr,
+    TILE: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr, LONG_INDEXING: tl.constexpr,
+    EVEN_D: tl.constexpr, MASKED: tl.constexpr, MASK_ROWS: tl.constexpr,
+):  # fmt: skip
+    tok = start + r // FOLD
+    if LONG_INDEXING:
+        tok = tok.to(tl.int64)
+    # padding rows load lse = +inf (p = 0), so they add nothing even on unmasked steps
+    row_ok = (r < TILE * FOLD) & (tok <= span_hi)
+    q_ptrs = Q + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
+    q = _load(q_ptrs, row_ok[:, None], d_ok[None, :], MASK_ROWS, EVEN_D)
+    do_ptrs = DO + tok[:, None] * stride_dot + head[:, None] * stride_doh + d[None, :]
+    do = _load(do_ptrs, row_ok[:, None], d_ok[None, :], MASK_ROWS, EVEN_D)
+    if MASK_ROWS:
+        lse2 = tl.load(LSE + head * T_q + tok, mask=row_ok, other=float("inf")) * 1.4426950408889634
+        delta = tl.load(DELTA + head * T_q + tok, mask=row_ok, other=0.0)
+    else:
+        lse2 = tl.load(LSE + head * T_q + tok) * 1.4426950408889634
+        delta = tl.load(DELTA + head * T_q + tok)
+    qkt = _dot(k, tl.trans(q), IEEE)  # (BLOCK_N, BLOCK_M)
+    pt = tl.exp2(_scores(qkt, scale_a, scale_b, SOFTCAP) - lse2[None, :])
+    if MASKED:
+        vis = (tok[None, :] >= qlo[:, None]) & (tok[None, :] <= qhi[:, None])
+        pt = tl.where(vis, pt, 0.0)
+    dv += _dot(pt.to(do.dtype), do, IEEE)
+    dst = pt * (_dot(v, tl.trans(do), IEEE) - delta[None, :])
+    if SOFTCAP:
+        t = _tanh(qkt * scale_a)
+        dst = dst * (1.0 - t * t)
+    dk += _dot(dst.to(q.dtype), q, IEEE)
+    return dk, dv
+
+
+@triton.jit(do_not_specialize=["T_q", "T_k"])
+def _attn_bwd_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV, QLO, QHI, ORDER,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+    stride_dkt, stride_dkh, stride_dvt, stride_dvh,
+    T_q, T_k, H_KV, scale_a, scale_b, sm_scale,
+    GROUP: tl.constexpr, FOLD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
+    LONG_INDEXING: tl.constexpr,
+):  # fmt: skip
+    EMPTY: tl.constexpr = 2147483647
+    TILE: tl.constexpr = BLOCK_M // FOLD  # query tokens per inner step
+    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+    PAD_ROWS: tl.constexpr = TILE * FOLD != BLOCK_M  # rows past TILE * FOLD are padding
+    pid = tl.program_id(0)
+    tile = tl.load(ORDER + pid // H_KV)
+    kv_head = pid % H_KV
+    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < T_k
+    if LONG_INDEXING:
+        cols = cols.to(tl.int64)
+        kv_head = kv_head.to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    kv_mask = col_ok[:, None] & d_ok[None, :]
+
+    qlo = tl.load(QLO + cols, mask=col_ok, other=EMPTY)
+    qhi = tl.load(QHI + cols, mask=col_ok, other=-1)
+    span_lo = tl.min(qlo, 0)
+    span_hi = tl.max(qhi, 0)
+    # query rows every real key of the tile is seen by; key rows past T are never stored
+    full_lo = tl.max(tl.where(col_ok, qlo, -1), 0)
+    full_hi = tl.min(tl.where(col_ok, qhi, EMPTY), 0)
+    n_head, n_mid, n_all = _split(span_lo, span_hi, full_lo, full_hi, TILE)
+
+    k = tl.load(
+        K + cols[:, None] * stride_kt + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0
+    )
+    v = tl.load(
+        V + cols[:, None] * stride_vt + kv_head * stride_vh + d[None, :], mask=kv_mask, other=0.0
+    )
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    r = tl.arange(0, BLOCK_M)
+    for sub in range(GROUP // FOLD):  # a runtime loop: no code copies per head subgroup
+        head = kv_head * GROUP + sub * FOLD + r % FOLD
+        args = (k, v, Q, DO, LSE, DELTA, head, r)
+        for i in range(0, n_head):
+            dk, dv = _dkdv_step(
+                dk, dv, *args, span_lo + i * TILE, span_hi, qlo, qhi, d, d_ok, stride_qt, stride_qh,
+                stride_dot, stride_doh, T_q, scale_a, scale_b, FOLD, TILE, SOFTCAP, IEEE,
+                LONG_INDEXING, EVEN_D, True, True,
+            )  # fmt: skip
+        for i in range(n_head, n_head + n_mid):
+            dk, dv = _dkdv_step(
+                dk, dv, *args, span_lo + i * TILE, span_hi, qlo, qhi, d, d_ok, stride_qt, stride_qh,
+                stride_dot, stride_doh, T_q, scale_a, scale_b, FOLD, TILE, SOFTCAP, IEEE,
+                LONG_INDEXING, EVEN_D, False, PAD_ROWS,
+            )  # fmt: skip
+        for i in range(n_head + n_mid, n_all):
+            dk, dv = _dkdv_step(
+                dk, dv, *args, span_lo + i * TILE, span_hi, qlo, qhi, d, d_ok, stride_qt, stride_qh,
+                stride_dot, stride_doh, T_q, scale_a, scale_b, FOLD, TILE, SOFTCAP, IEEE,
+                LONG_INDEXING, EVEN_D, True, True,
+            )  # fmt: skip
+    tl.store(
+        DK + cols[:, None] * stride_dkt + kv_head * stride_dkh + d[None, :],
+        (dk * sm_scale).to(DK.dtype.element_ty),
+        mask=kv_mask,
+    )
+    tl.store(
+        DV + cols[:, None] * stride_dvt + kv_head * stride_dvh + d[None, :],
+        dv.to(DV.dtype.element_ty),
+        mask=kv_mask,
+    )
+
+
+def _common(q, k, v, *more, softcap: float) -> dict:
+    dim = q.shape[2]
+    return dict(
+        GROUP=q.shape[1] // k.shape[1], HEAD_DIM=dim, BLOCK_D=max(16, triton.next_power_of_2(dim)),
+        SOFTCAP=softcap > 0, IEEE=q.dtype == torch.float32,
+        LONG_INDEXING=needs_long_indexing(q, k, v, *more) or q.shape[1] * q.shape[0] >= 2**31,
+    )  # fmt: skip
+
+
+def backward_dq(
+    do, q, k, v, o, lse, delta, dq, lo_q, hi_q, order, *, softmax_scale: float, softcap: float,
+    fold: int, block_m: int, block_n: int, num_warps: int, num_stages: int,
+) -> None:  # fmt: skip
+    """Launch the dQ kernel; writes dq and delta (H_q, T_q) in place."""
+    scale_a, scale_b = score_constants(softmax_scale, softcap)
+    n_head_blocks = q.shape[1] // fold
+    _attn_bwd_dq_kernel[(order.numel() * n_head_blocks,)](
+        q, k, v, o, do, lse, delta, dq, lo_q, hi_q, order,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        o.stride(0), o.stride(1), do.stride(0), do.stride(1), dq.stride(0), dq.stride(1),
+        q.shape[0], k.shape[0], n_head_blocks, scale_a, scale_b, softmax_scale,
+        FOLD=fold, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages,
+        **_common(q, k, v, o, do, dq, softcap=softcap),
+    )  # fmt: skip
+
+
+def backward_dkdv(
+    do, q, k, v, lse, delta, dk, dv, qlo_k, qhi_k, order, *, softmax_scale: float, softcap: float,
+    fold: int, block_m: int, block_n: int, num_warps: int, num_stages: int,
+) -> None:  # fmt: skip
+    """Launch the dK/dV kernel (needs delta from backward_dq); writes dk, dv in place."""
+    scale_a, scale_b = score_constants(softmax_scale, softcap)
+    h_kv = k.shape[1]
+    _attn_bwd_dkdv_kernel[(order.numel() * h_kv,)](
+        q, k, v, do, lse, delta, dk, dv, qlo_k, qhi_k, order,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
+        q.shape[0], k.shape[0], h_kv, scale_a, scale_b, softmax_scale,
+        FOLD=fold, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages,
+        **_common(q, k, v, do, dk, dv, softcap=softcap),
+    )  # fmt: skip
+
+
+def attention_backward(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    plan,
+    *,
+    softmax_scale: float,
+    softcap: float,
+    cfg,
+    fold_dq: int,
+    fold_kv: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dQ (+delta) then dK/dV over the plan's heaviest-first orders; returns dq, dk, dv."""
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    dk = torch.empty_like(k, memory_format=torch.contiguous_format)
+    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+    if q.shape[0] == 0 or k.shape[0] == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    delta = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
+    kw = dict(softmax_scale=softmax_scale, softcap=softcap)
+    backward_dq(
+        do, q, k, v, o, lse, delta, dq, plan.lo_q, plan.hi_q, plan.order_q(cfg.dq_block_m // fold_dq),
+        fold=fold_dq, block_m=cfg.dq_block_m, block_n=cfg.dq_block_n,
+        num_warps=cfg.dq_warps, num_stages=cfg.dq_stages, **kw,
+    )  # fmt: skip
+    backward_dkdv(
+        do, q, k, v, lse, delta, dk, dv, plan.qlo_k, plan.qhi_k, plan.order_k(cfg.kv_block_n),
+        fold=fold_kv, block_m=cfg.kv_block_m, block_n=cfg.kv_block_n,
+        num_warps=cfg.kv_warps, num_stages=cfg.kv_stages, **kw,
+    )  # fmt: skip
+    return dq, dk, dv

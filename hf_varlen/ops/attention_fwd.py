@@ -1,0 +1,234 @@
+"""Forward kernel of the Triton varlen attention (online softmax over a compact tile schedule).
+
+One program = one tile: ``TILE = BLOCK_M // FOLD`` consecutive query tokens of the packed stream x
+``FOLD`` query heads that share one KV head (GQA folding: K/V are loaded once for all of them). The
+tile walks the keys [min lo, max hi] of its rows (attention_schedule.py) in steps of BLOCK_N:
+
+    s = (q . k) * scale                         (softcap: s = softcap * tanh(s / softcap))
+    s = -inf where not (lo[row] <= key <= hi[row])   (block-diagonal x causal x window mask)
+    m, l, acc = online-softmax update (base 2)
+    o = acc / l,   lse = ln(sum_j exp(s_j)) = (m + log2 l) * ln 2
+
+Key blocks that every row of the tile sees entirely skip the mask. Rows that see no key give o = 0
+and lse = +inf (so the backward's exp(s - lse) is 0 there).
+
+Shapes: q (T_q, H_q, D), k/v (T_k, H_kv, D), o (T_q, H_q, D), lse (H_q, T_q) fp32,
+lo/hi (T_q,) int32, order (n_tiles,) int32; the grid is n_tiles * (H_q / FOLD) programs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _tanh(x):
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit
+def _scores(qk, scale_a, scale_b, SOFTCAP: tl.constexpr):
+    """Base-2 logits from raw q.k: scale (and softcap) folded into two constants (see launcher)."""
+    if SOFTCAP:
+        return _tanh(qk * scale_a) * scale_b
+    return qk * scale_a
+
+
+@triton.jit
+def _load(ptrs, row_ok, d_ok, MASK_ROWS: tl.constexpr, EVEN_D: tl.constexpr):
+    """Load a (rows x head_dim) block; masks only what can be out of range (zeros there)."""
+    if MASK_ROWS:
+        return tl.load(ptrs, mask=row_ok & d_ok, other=0.0)
+    if EVEN_D:
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=d_ok, other=0.0)
+
+
+@triton.jit
+def _split(span_lo, span_hi, full_lo, full_hi, STEP: tl.constexpr):
+    """Steps of STEP over [span_lo, span_hi]: n_head masked, then n_mid that lie inside
+    [full_lo, full_hi] (seen by every row: no mask), then the rest masked."""
+    n_all = tl.maximum(span_hi + 1 - span_lo + STEP - 1, 0) // STEP
+    n_head = tl.minimum(tl.maximum(full_lo - span_lo + STEP - 1, 0) // STEP, n_all)
+    mid = span_lo + n_head * STEP
+    n_mid = tl.minimum(tl.maximum(full_hi + 1 - mid, 0) // STEP, n_all - n_head)
+    return n_head, n_mid, n_all
+
+
+@triton.jit
+def _fwd_step(
+    acc, m_i, l_i, q, k_base, v_base, start, span_hi, lo, hi, d, d_ok, stride_kt, stride_vt,
+    scale_a, scale_b, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
+    LONG_INDEXING: tl.constexpr, EVEN_D: tl.constexpr, MASKED: tl.constexpr,
+):  # fmt: skip
+    cols = start + tl.arange(0, BLOCK_N)
+    col_ok = cols <= span_hi
+    if LONG_INDEXING:
+        cols = cols.to(tl.int64)
+    kt = _load(
+        k_base + cols[None, :] * stride_kt + d[:, None],
+        col_ok[None, :],
+        d_ok[:, None],
+        MASKED,
+        EVEN_D,
+    )
+    s = _scores(_dot(q, kt, IEEE), scale_a, scale_b, SOFTCAP)
+    if MASKED:
+        vis = (cols[None, :] >= lo[:, None]) & (cols[None, :] <= hi[:, None])
+        s = tl.where(vis, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
+    p = tl.exp2(s - m_use[:, None])
+    alpha = tl.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = _load(
+        v_base + cols[:, None] * stride_vt + d[None, :],
+        col_ok[:, None],
+        d_ok[None, :],
+        MASKED,
+        EVEN_D,
+    )
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+    return acc, m_new, l_i
+
+
+@triton.jit(do_not_specialize=["T_q", "T_k"])
+def _attn_fwd_kernel(
+    Q, K, V, O, LSE, LO, HI, ORDER,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    T_q, T_k, N_HEAD_BLOCKS, scale_a, scale_b,
+    GROUP: tl.constexpr, FOLD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
+    LONG_INDEXING: tl.constexpr,
+):  # fmt: skip
+    EMPTY: tl.constexpr = 2147483647
+    TILE: tl.constexpr = BLOCK_M // FOLD
+    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+    pid = tl.program_id(0)
+    tile = tl.load(ORDER + pid // N_HEAD_BLOCKS)
+    head_block = pid % N_HEAD_BLOCKS
+    r = tl.arange(0, BLOCK_M)
+    tok = tile * TILE + r // FOLD
+    head = head_block * FOLD + r % FOLD
+    kv_head = (head_block * FOLD) // GROUP
+    row_ok = (r < TILE * FOLD) & (tok < T_q)
+    if LONG_INDEXING:
+        tok = tok.to(tl.int64)
+        head = head.to(tl.int64)
+        kv_head = kv_head.to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+
+    lo = tl.load(LO + tok, mask=row_ok, other=EMPTY)
+    hi = tl.load(HI + tok, mask=row_ok, other=-1)
+    span_lo = tl.min(lo, 0)
+    span_hi = tl.max(hi, 0)
+    # keys every real row sees; rows past T compute garbage that is never stored
+    full_lo = tl.max(tl.where(row_ok, lo, -1), 0)
+    full_hi = tl.min(tl.where(row_ok, hi, EMPTY), 0)
+    n_head, n_mid, n_all = _split(span_lo, span_hi, full_lo, full_hi, BLOCK_N)
+
+    q = tl.load(
+        Q + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    k_base = K + kv_head * stride_kh
+    v_base = V + kv_head * stride_vh
+    args = (q, k_base, v_base)
+    for i in range(0, n_head):
+        acc, m_i, l_i = _fwd_step(
+            acc, m_i, l_i, *args, span_lo + i * BLOCK_N, span_hi, lo, hi, d, d_ok, stride_kt,
+            stride_vt, scale_a, scale_b, BLOCK_N, SOFTCAP, IEEE, LONG_INDEXING, EVEN_D, True,
+        )  # fmt: skip
+    for i in range(n_head, n_head + n_mid):
+        acc, m_i, l_i = _fwd_step(
+            acc, m_i, l_i, *args, span_lo + i * BLOCK_N, span_hi, lo, hi, d, d_ok, stride_kt,
+            stride_vt, scale_a, scale_b, BLOCK_N, SOFTCAP, IEEE, LONG_INDEXING, EVEN_D, False,
+        )  # fmt: skip
+    for i in range(n_head + n_mid, n_all):
+        acc, m_i, l_i = _fwd_step(
+            acc, m_i, l_i, *args, span_lo + i * BLOCK_N, span_hi, lo, hi, d, d_ok, stride_kt,
+            stride_vt, scale_a, scale_b, BLOCK_N, SOFTCAP, IEEE, LONG_INDEXING, EVEN_D, True,
+        )  # fmt: skip
+
+    seen = l_i > 0.0
+    l_safe = tl.where(seen, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    lse = tl.where(seen, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("inf"))
+    tl.store(
+        O + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+        out.to(O.dtype.element_ty),
+        mask=row_ok[:, None] & d_ok[None, :],
+    )
+    tl.store(LSE + head * T_q + tok, lse, mask=row_ok)
+
+
+def score_constants(softmax_scale: float, softcap: float) -> tuple[float, float]:
+    """(scale_a, scale_b) so that base-2 logits are qk*a, or tanh(qk*a)*b with a softcap."""
+    if softcap > 0:
+        return softmax_scale / softcap, softcap * LOG2E
+    return softmax_scale * LOG2E, 1.0
+
+
+def needs_long_indexing(*tensors: torch.Tensor) -> bool:
+    """True when an element offset of any tensor (by its strides) can reach 2^31."""
+    for t in tensors:
+        top = sum((n - 1) * s for n, s in zip(t.shape, t.stride()) if n > 0) + 1
+        if top >= 2**31 or t.numel() >= 2**31:
+            return True
+    return False
+
+
+def attention_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lo_q: torch.Tensor,
+    hi_q: torch.Tensor,
+    order: torch.Tensor,
+    *,
+    softmax_scale: float,
+    softcap: float,
+    fold: int,
+    block_m: int,
+    block_n: int,
+    num_warps: int,
+    num_stages: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the forward kernel; returns o (T_q, H_q, D) and lse (H_q, T_q) fp32 (natural log)."""
+    t_q, h_q, dim = q.shape
+    t_k, h_kv = k.shape[0], k.shape[1]
+    o = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty((h_q, t_q), dtype=torch.float32, device=q.device)
+    if t_q == 0:
+        return o, lse
+    scale_a, scale_b = score_constants(softmax_scale, softcap)
+    n_head_blocks = h_q // fold
+    grid = (order.numel() * n_head_blocks,)
+    _attn_fwd_kernel[grid](
+        q, k, v, o, lse, lo_q, hi_q, order,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        o.stride(0), o.stride(1),
+        t_q, t_k, n_head_blocks, scale_a, scale_b,
+        GROUP=h_q // h_kv, FOLD=fold, HEAD_DIM=dim, BLOCK_D=max(16, triton.next_power_of_2(dim)),
+        BLOCK_M=block_m, BLOCK_N=block_n, SOFTCAP=softcap > 0, IEEE=q.dtype == torch.float32,
+        LONG_INDEXING=needs_long_indexing(q, k, v, o) or h_q * t_q >= 2**31,
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    return o, lse

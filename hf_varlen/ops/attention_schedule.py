@@ -1,0 +1,209 @@
+"""Tile schedule of the Triton varlen attention: per-row visibility bounds, compact tile order, configs.
+
+The kernels never look at documents. They see the packed token stream cut into fixed tiles
+(``TILE_M`` query tokens, or ``BLOCK_N`` key tokens in the dK/dV pass) and, for every row, the
+contiguous range of rows on the other side that it may see. Because documents are contiguous and
+visibility never crosses a document, "same document AND causal AND window" is one interval:
+
+    query t (document d, lengths L_q, L_k, shift = L_k - L_q, diag = t - q_end + k_end):
+        lo_q[t] = max(k_start, diag - left)        hi_q[t] = min(k_end - 1, diag + right)
+    key s (document d):
+        qlo_k[s] = max(q_start, s - k_end + q_end - right)
+        qhi_k[s] = min(q_end - 1, s - k_end + q_end + left)
+
+(left/right = -1 drop that term; causal means right = 0). A tile's work is the span
+[min lo, max hi] of its rows, so several short documents share one tile and the block-diagonal mask
+inside it is just ``lo <= col <= hi`` per row. Tiles cover only real tokens: the grid is
+ceil(T / TILE) x heads, known on the host from T alone (no device->host sync), with no empty
+programs beyond the last partial tile.
+
+Heaviest-first: the launch order is a permutation of the tiles sorted by their span, descending, so
+the long documents' heavy tiles (last causal query tiles; first key tiles) start first and the many
+light tiles fill in behind them (LPT). Bounds and orders are built with a few torch ops on the device
+once per batch and cached on the cu_seqlens tensor objects, so every layer of a forward (and the
+backward) reuses them.
+
+Shapes: cu_seqlens_* (n_docs + 1,) int32; lo_q/hi_q (T_q,) int32; qlo_k/qhi_k (T_k,) int32;
+order_q(tile) (ceil(T_q / tile),) int32; order_k(tile) (ceil(T_k / tile),) int32.
+Rows outside every document (past cu[-1]) get the empty interval (EMPTY_LO, -1).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+EMPTY_LO = 2**31 - 1  # lower bound of a row that sees nothing (hi = -1)
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Block sizes of the three kernels; chosen from head_dim / dtype / device only.
+
+    ``*_min_tokens``: query heads of a KV group are folded into one tile only while the tile (or
+    inner step) keeps at least this many tokens (see ``fold_factor``).
+    """
+
+    fwd_block_m: int  # rows (tokens x folded heads) per forward tile
+    fwd_block_n: int  # key rows per inner step
+    fwd_warps: int
+    fwd_stages: int
+    fwd_min_tokens: int
+    dq_block_m: int
+    dq_block_n: int
+    dq_warps: int
+    dq_stages: int
+    dq_min_tokens: int
+    kv_block_n: int  # key tokens per dK/dV tile
+    kv_block_m: int  # query rows (tokens x folded heads) per inner step of dK/dV
+    kv_warps: int
+    kv_stages: int
+    kv_min_tokens: int
+
+
+# Tuned on the H200 (scripts/bench_attention.py --tune) over packs of real alpaca and lima lengths
+# and 1 x 32K + 32K alpaca; one config per head_dim/dtype serves short and long documents.
+_CUDA_CONFIGS = {
+    64: KernelConfig(128, 32, 4, 3, 16, 64, 64, 4, 2, 32, 64, 32, 4, 2, 8),
+    128: KernelConfig(128, 32, 4, 3, 16, 64, 64, 4, 2, 32, 64, 32, 4, 2, 8),
+    # head_dim 256: smaller tiles so the fp32 accumulators fit in registers / shared memory
+    256: KernelConfig(64, 32, 4, 2, 16, 64, 32, 4, 1, 32, 32, 32, 4, 1, 8),
+}
+_INTERPRETER_CONFIG = KernelConfig(16, 16, 1, 1, 4, 16, 16, 1, 1, 4, 16, 16, 1, 1, 4)
+
+
+@functools.lru_cache(maxsize=4)
+def _load_overrides(path: str) -> dict[int, KernelConfig]:
+    with open(path) as f:
+        return {int(k): KernelConfig(*v) for k, v in json.load(f).items()}
+
+
+def _overrides() -> dict[int, KernelConfig]:
+    """Configs from $HF_VARLEN_TRITON_ATTN_CONFIG (JSON {"128": [15 ints], ...}), for tuning runs."""
+    path = os.environ.get("HF_VARLEN_TRITON_ATTN_CONFIG")
+    return _load_overrides(path) if path else {}
+
+
+def pick_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> KernelConfig:
+    """Block sizes for head_dim/dtype/device (never for T, max_seqlen or the document count)."""
+    if device.type != "cuda":  # the CPU interpreter: small tiles keep the numpy emulation fast
+        return _INTERPRETER_CONFIG
+    key = 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
+    return _overrides().get(key) or _CUDA_CONFIGS[key]
+
+
+def fold_factor(group: int, block_m: int, min_tokens: int) -> int:
+    """How many query heads of one KV group share a tile: the largest divisor of ``group`` that
+    leaves at least ``min_tokens`` tokens per tile (K/V are loaded once for all folded heads)."""
+    best = 1
+    for f in range(1, group + 1):
+        if group % f == 0 and block_m // f >= min_tokens:
+            best = f
+    return best
+
+
+@dataclass
+class Plan:
+    """Row bounds of one batch plus its heaviest-first tile orders (memoised per tile size)."""
+
+    lo_q: torch.Tensor
+    hi_q: torch.Tensor
+    qlo_k: torch.Tensor
+    qhi_k: torch.Tensor
+    _orders: dict = field(default_factory=dict)
+
+    def order_q(self, tile: int) -> torch.Tensor:
+        if ("q", tile) not in self._orders:
+            self._orders["q", tile] = heaviest_first(self.lo_q, self.hi_q, tile)
+        return self._orders["q", tile]
+
+    def order_k(self, tile: int) -> torch.Tensor:
+        if ("k", tile) not in self._orders:
+            self._orders["k", tile] = heaviest_first(self.qlo_k, self.qhi_k, tile)
+        return self._orders["k", tile]
+
+
+def _doc_of(cu: torch.Tensor, n_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Document index of each row (clamped) and whether the row lies inside some document."""
+    rows = torch.arange(n_rows, device=cu.device, dtype=torch.int32)
+    doc = torch.searchsorted(cu, rows, right=True).to(torch.int64) - 1
+    inside = (doc >= 0) & (doc < cu.numel() - 1)
+    return doc.clamp_(0, max(cu.numel() - 2, 0)), inside
+
+
+def row_bounds(
+    cu_q: torch.Tensor, cu_k: torch.Tensor, t_q: int, t_k: int, left: int, right: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row visibility intervals (see module doc), int32, on cu_q's device."""
+    cq, ck = cu_q.to(torch.int64), cu_k.to(torch.int64)
+
+    def finish(lo, hi, inside):
+        empty = (lo > hi) | ~inside
+        lo = torch.where(empty, EMPTY_LO, lo)
+        hi = torch.where(empty, -1, hi)
+        return lo.to(torch.int32), hi.to(torch.int32)
+
+    if cu_q.numel() < 2:  # no documents: every row sees nothing
+        e = [
+            torch.full((n,), v, dtype=torch.int32, device=cu_q.device)
+            for n, v in ((t_q, EMPTY_LO), (t_q, -1), (t_k, EMPTY_LO), (t_k, -1))
+        ]
+        return e[0], e[1], e[2], e[3]
+
+    doc, inside = _doc_of(cu_q, t_q)
+    t = torch.arange(t_q, device=cu_q.device, dtype=torch.int64)
+    k_start, k_end, q_end = ck[doc], ck[doc + 1], cq[doc + 1]
+    diag = t - q_end + k_end
+    lo = k_start if left < 0 else torch.maximum(k_start, diag - left)
+    hi = k_end - 1 if right < 0 else torch.minimum(k_end - 1, diag + right)
+    lo_q, hi_q = finish(lo, hi, inside)
+
+    doc, inside = _doc_of(cu_k, t_k)
+    s = torch.arange(t_k, device=cu_k.device, dtype=torch.int64)
+    q_start, q_end, k_end = cq[doc], cq[doc + 1], ck[doc + 1]
+    base = s - k_end + q_end
+    qlo = q_start if right < 0 else torch.maximum(q_start, base - right)
+    qhi = q_end - 1 if left < 0 else torch.minimum(q_end - 1, base + left)
+    qlo_k, qhi_k = finish(qlo, qhi, inside)
+    return lo_q, hi_q, qlo_k, qhi_k
+
+
+def heaviest_first(lo: torch.Tensor, hi: torch.Tensor, tile: int) -> torch.Tensor:
+    """Tile indices (tiles of ``tile`` consecutive rows) sorted by span, largest first, int32."""
+    n = lo.numel()
+    n_tiles = -(-n // tile)
+    pad = n_tiles * tile - n
+    lo64 = torch.nn.functional.pad(lo.to(torch.int64), (0, pad), value=EMPTY_LO)
+    hi64 = torch.nn.functional.pad(hi.to(torch.int64), (0, pad), value=-1)
+    span = (hi64.view(n_tiles, tile).amax(1) - lo64.view(n_tiles, tile).amin(1) + 1).clamp_min(0)
+    return torch.argsort(span, descending=True, stable=True).to(torch.int32)
+
+
+# Plans keyed on the cu_seqlens tensor objects (all layers of a forward and the backward share them).
+_CACHE: OrderedDict[tuple, tuple] = OrderedDict()
+_CACHE_SIZE = 16
+
+
+def get_plan(
+    cu_q: torch.Tensor, cu_k: torch.Tensor, t_q: int, t_k: int, left: int, right: int
+) -> Plan:
+    """Bounds (and, lazily, tile orders) for this batch, built on the device once and cached."""
+    key = (id(cu_q), id(cu_k), cu_q._version, cu_k._version, t_q, t_k, left, right)
+    hit = _CACHE.get(key)
+    if hit is not None and hit[0]() is cu_q and hit[1]() is cu_k:
+        _CACHE.move_to_end(key)
+        return hit[2]
+    plan = Plan(*row_bounds(cu_q, cu_k, t_q, t_k, left, right))
+    try:
+        _CACHE[key] = (weakref.ref(cu_q), weakref.ref(cu_k), plan)
+    except TypeError:  # tensors that cannot be weakly referenced (e.g. under tracing): no caching
+        return plan
+    while len(_CACHE) > _CACHE_SIZE:
+        _CACHE.popitem(last=False)
+    return plan

@@ -1,0 +1,731 @@
+"""Benchmark varlen attention backends on packs of real document lengths (forward, backward, f+b).
+
+Providers go through ``hf_varlen.varlen_attention(..., backend=X)`` (triton, torch, flex, fa4,
+flash_attn) plus ``sdpa_padded``: torch SDPA (causal) on the zero-padded (n_docs, H, L_max, D) batch.
+For flex the document BlockMask build is timed separately (the attention timings reuse the mask, as
+all layers of one forward do). Useful FLOPs (ANCHORS.md): sum over documents of 4 * L^2 * D * H_q / 2
+for the causal forward; backward = 2.5x, forward+backward = 3.5x. "floor" is the HBM-traffic bound
+(read q, k, v, write o; backward reads q, k, v, o, dO, writes dq, dk, dv) at 4.3 TB/s.
+"match" applies the numerics rule of TESTING.md (hf_varlen.testing) to the output and, for packs
+whose documents are all <= 4096 tokens, to dq/dk/dv; longer documents are checked on their last
+512 query rows (forward only).
+
+    python scripts/bench_attention.py --make-lengths --shared-data ../shared/data   # once (CPU ok)
+    python scripts/bench_attention.py [--providers triton,flex] [--cases alpaca64k] [--heads 32/8/128]
+        [--json out/attn.json] [--breakdown] [--tune]
+
+The document lengths come from scripts/data/lengths_{alpaca,lima}.json (Qwen2 tokenizer, alpaca
+prompt format of ../shared/data/README.md, no special tokens), so the GPU machine needs no data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+HERE = Path(__file__).resolve().parent
+LENGTHS_DIR = HERE / "data"
+PROVIDERS = ["triton", "torch", "flex", "fa4", "flash_attn", "sdpa_padded"]
+HEADS = {"32/8/128": (32, 8, 128), "16/16/64": (16, 16, 64), "40/8/128": (40, 8, 128)}
+HBM_BYTES_PER_S = 4.3e12
+
+
+# ---- document lengths -----------------------------------------------------------------------------
+
+
+def alpaca_text(ex: dict) -> str:
+    """The alpaca prompt format of ../shared/data/README.md (no preamble, no special tokens)."""
+    if ex.get("input"):
+        return (
+            f"### Instruction:\n{ex['instruction']}\n\n### Input:\n{ex['input']}\n\n"
+            f"### Response:\n{ex['output']}"
+        )
+    return f"### Instruction:\n{ex['instruction']}\n\n### Response:\n{ex['output']}"
+
+
+def make_lengths(shared_data: Path) -> None:
+    """Tokenize alpaca_5000 and lima with the Qwen2 tokenizer; write scripts/data/lengths_*.json."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(shared_data / "tokenizers" / "qwen2"))
+    LENGTHS_DIR.mkdir(exist_ok=True)
+    for name, rel in (("alpaca", "alpaca/alpaca_5000.json"), ("lima", "lima/lima.json")):
+        data = json.loads((shared_data / rel).read_text(encoding="utf-8"))
+        texts = [alpaca_text(ex) for ex in data]
+        lengths = [len(ids) for ids in tok(texts, add_special_tokens=False)["input_ids"]]
+        (LENGTHS_DIR / f"lengths_{name}.json").write_text(json.dumps(lengths) + "\n")
+        s = sorted(lengths)
+        print(f"{name}: {len(s)} docs, median {s[len(s) // 2]}, max {s[-1]}, total {sum(s)}")
+
+
+def load_lengths(name: str) -> list[int]:
+    path = LENGTHS_DIR / f"lengths_{name}.json"
+    if not path.exists():
+        raise SystemExit(f"{path} is missing: run with --make-lengths --shared-data <path> first")
+    return json.loads(path.read_text())
+
+
+def pack(lengths: list[int], total: int) -> list[int]:
+    """Documents in dataset order until ``total`` tokens; the last one is cut to fit exactly."""
+    out, used = [], 0
+    for n in lengths:
+        n = min(n, total - used)
+        out.append(n)
+        used += n
+        if used == total:
+            return out
+    raise ValueError(f"not enough documents for {total} tokens")
+
+
+def cases() -> dict[str, list[int]]:
+    alpaca, lima = load_lengths("alpaca"), load_lengths("lima")
+    return {
+        "alpaca16k": pack(alpaca, 16384),
+        "alpaca64k": pack(alpaca, 65536),
+        "lima64k": pack(lima, 65536),
+        "128+128+4096": [128, 128, 4096],
+        "32k+alpaca32k": [32768] + pack(alpaca, 32768),
+        "8x8k": [8192] * 8,
+    }
+
+
+# ---- providers ------------------------------------------------------------------------------------
+
+
+def useful_flops_fwd(lengths, h_q, d) -> float:
+    return sum(4.0 * n * n * d * h_q / 2 for n in lengths)
+
+
+def floor_ms(total, h_q, h_kv, d, elem=2) -> tuple[float, float]:
+    q, kv = total * h_q * d * elem, total * h_kv * d * elem
+    fwd = 2 * q + 2 * kv
+    bwd = 4 * q + 4 * kv
+    return fwd / HBM_BYTES_PER_S * 1e3, (fwd + bwd) / HBM_BYTES_PER_S * 1e3
+
+
+def varlen_provider(name, cu, max_len):
+    import hf_varlen
+
+    def fn(q, k, v):
+        return hf_varlen.varlen_attention(q, k, v, cu, cu, max_len, max_len, backend=name)
+
+    return fn
+
+
+def padded_provider(lengths, device):
+    """SDPA on the zero-padded batch; the pad/unpad copies are outside the timed region."""
+    import torch.nn.functional as F
+
+    n, lmax = len(lengths), max(lengths)
+    starts = torch.tensor([0] + lengths[:-1], device=device).cumsum(0)
+    pos = torch.arange(lmax, device=device)
+    lens = torch.tensor(lengths, device=device)
+    valid = pos[None, :] < lens[:, None]  # (n, L)
+    src = (starts[:, None] + pos[None, :])[valid]
+
+    def to_padded(x):  # (T, H, D) -> (n, H, L, D), a leaf so backward stops here
+        out = x.new_zeros(n, lmax, x.shape[1], x.shape[2])
+        out[valid] = x[src]
+        return out.transpose(1, 2).detach().requires_grad_(x.requires_grad)
+
+    def prepare(q, k, v):
+        return to_padded(q), to_padded(k), to_padded(v)
+
+    def fn(qp, kp, vp):
+        return F.scaled_dot_product_attention(
+            qp, kp, vp, is_causal=True, enable_gqa=qp.shape[1] != kp.shape[1]
+        )
+
+    def unpad(o):
+        return o.transpose(1, 2)[valid]
+
+    return prepare, fn, unpad
+
+
+def bench_ms(fn, grad_to_none=None, min_runs=10, min_total_ms=100.0) -> float:
+    """Median GPU time (CUDA events) of >= ``min_runs`` runs after 3 warm-ups, L2 flushed each run."""
+    flush = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device="cuda")
+    times: list[float] = []
+    for i in range(3 + 1000):
+        if grad_to_none:
+            for t in grad_to_none:
+                t.grad = None
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        if i >= 3:
+            times.append(start.elapsed_time(end))
+            if len(times) >= min_runs and sum(times) >= min_total_ms:
+                break
+    times.sort()
+    return times[len(times) // 2]
+
+
+def time_provider(fn, q, k, v, grad):
+    """(fwd, bwd, fwd+bwd) medians in ms; q, k, v require grad."""
+    leaves = [q, k, v]
+    fwd = bench_ms(lambda: fn(q, k, v))
+    graph = [fn(q, k, v)]
+    bwd = bench_ms(lambda: graph[0].backward(grad, retain_graph=True), grad_to_none=leaves)
+    graph.clear()  # frees the saved activations before the next measurement
+    fb = bench_ms(lambda: fn(q, k, v).backward(grad), grad_to_none=leaves)
+    return fwd, bwd, fb
+
+
+# ---- reference match ------------------------------------------------------------------------------
+
+
+def reference_results(q, k, v, lengths, cu, grad, with_grads):
+    """{"out": (hi, lo), "dq": ...}; long documents (> 8192) contribute only their last 512 rows."""
+    from hf_varlen.reference.attention import attention_reference
+
+    long = [i for i, n in enumerate(lengths) if n > 8192]
+    res = {}
+    if not long:
+        for tag, dt in (("hi", torch.float32), ("lo", q.dtype)):
+            qq, kk, vv = (t.detach().to(dt).requires_grad_(with_grads) for t in (q, k, v))
+            o = attention_reference(qq, kk, vv, cu, cu)
+            res.setdefault("out", {})[tag] = o.detach()
+            if with_grads:
+                o.backward(grad.to(dt))
+                for name, t in (("dq", qq), ("dk", kk), ("dv", vv)):
+                    res.setdefault(name, {})[tag] = t.grad
+        return {kk: (vv["hi"], vv["lo"]) for kk, vv in res.items()}, None
+    # forward only: short documents through the reference, long ones on their last 512 rows
+    rows = torch.cat(
+        [torch.arange(int(cu[i]), int(cu[i + 1])) for i in range(len(lengths)) if i not in long]
+        + [torch.arange(int(cu[i + 1]) - 512, int(cu[i + 1])) for i in long]
+    ).to(q.device)
+    short = [n for n in lengths if n <= 8192]
+    out = {}
+    for tag, dt in (("hi", torch.float32), ("lo", q.dtype)):
+        pieces = []
+        if short:
+            idx = torch.cat(
+                [
+                    torch.arange(int(cu[i]), int(cu[i + 1]))
+                    for i in range(len(lengths))
+                    if i not in long
+                ]
+            ).to(q.device)
+            cu_s = torch.tensor(
+                [0] + list(torch.tensor(short).cumsum(0)), dtype=torch.int32, device=q.device
+            )
+            pieces.append(
+                attention_reference(q[idx].to(dt), k[idx].to(dt), v[idx].to(dt), cu_s, cu_s)
+            )
+        for i in long:
+            s0, s1 = int(cu[i]), int(cu[i + 1])
+            g = q.shape[1] // k.shape[1]
+            qq = q[s1 - 512 : s1].to(dt).transpose(0, 1)
+            kk = k[s0:s1].to(dt).transpose(0, 1).repeat_interleave(g, 0)
+            vv = v[s0:s1].to(dt).transpose(0, 1).repeat_interleave(g, 0)
+            s = torch.matmul(qq, kk.transpose(1, 2)) * q.shape[-1] ** -0.5
+            mask = (
+                torch.arange(s1 - s0, device=q.device)[None, :]
+                <= torch.arange(s1 - s0 - 512, s1 - s0, device=q.device)[:, None]
+            )
+            p = torch.softmax(s.masked_fill(~mask, float("-inf")), -1, dtype=torch.float32).to(dt)
+            pieces.append(torch.matmul(p, vv).transpose(0, 1))
+            del s, p
+        out[tag] = torch.cat(pieces)
+    return {"out": (out["hi"], out["lo"])}, rows
+
+
+def match(got, ref, rows) -> str:
+    from hf_varlen.testing import numerics_error
+
+    worst = []
+    for name, (hi, lo) in ref.items():
+        x = got[name] if rows is None else got[name][rows]
+        ok, msg = numerics_error(x, hi, lo, factor=2.0 if name == "out" else 3.0)
+        if not ok:
+            return f"FAIL {name}: {msg}"
+        err = (x.float() - hi.float()).abs().max().item()
+        worst.append(f"{name} {err:.1e}")
+    return "ok (" + ", ".join(worst) + ")"
+
+
+# ---- triton internals: config sweep and per-kernel breakdown ------------------------------------
+
+# (block_m, block_n, warps, stages); for dK/dV: (block_n = key tokens, block_m = query rows, ...)
+FWD_CANDIDATES = [
+    (128, 32, 4, 3),
+    (128, 32, 4, 2),
+    (64, 32, 4, 3),
+    (128, 16, 4, 3),
+    (128, 32, 8, 3),
+    (128, 128, 8, 3),
+    (128, 64, 8, 3),
+]
+DQ_CANDIDATES = [
+    (64, 64, 4, 2),
+    (64, 64, 4, 1),
+    (64, 32, 4, 1),
+    (32, 64, 4, 2),
+    (64, 64, 8, 2),
+    (128, 64, 8, 2),
+]
+DKDV_CANDIDATES = [
+    (64, 32, 4, 2),
+    (64, 32, 4, 1),
+    (64, 32, 4, 3),
+    (128, 64, 8, 2),
+    (64, 32, 8, 2),
+    (32, 32, 4, 2),
+    (64, 16, 4, 2),
+]
+
+
+def _triton_setup(lengths, heads, dtype, device="cuda"):
+    from hf_varlen.ops.attention import triton_varlen_attention
+    from hf_varlen.ops.attention_schedule import get_plan
+
+    h_q, h_kv, d = HEADS[heads]
+    total = sum(lengths)
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32, device=device)
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(total, h_q, d, device=device, dtype=dtype, generator=g)
+    k = torch.randn(total, h_kv, d, device=device, dtype=dtype, generator=g)
+    v = torch.randn(total, h_kv, d, device=device, dtype=dtype, generator=g)
+    do = torch.randn_like(q)
+    o, lse = triton_varlen_attention(q, k, v, cu, cu, return_lse=True)
+    plan = get_plan(cu, cu, total, total, -1, 0)
+    return dict(
+        q=q,
+        k=k,
+        v=v,
+        o=o,
+        do=do,
+        lse=lse,
+        cu=cu,
+        plan=plan,
+        scale=d**-0.5,
+        delta=torch.empty_like(lse),
+        dq=torch.empty_like(q),
+        dk=torch.empty_like(k),
+        dv=torch.empty_like(v),
+        group=h_q // h_kv,
+    )
+
+
+def _folds(group, block_m):
+    """The two largest GQA folds that keep >= 8 tokens per step (run 1 showed smaller ones lose)."""
+    return [f for f in range(1, group + 1) if group % f == 0 and block_m // f >= 8][-2:]
+
+
+def _launchers(s):
+    """Closures that launch one kernel with an explicit (config, fold) on the tensors of ``s``."""
+    from hf_varlen.ops.attention_bwd import backward_dkdv, backward_dq
+    from hf_varlen.ops.attention_fwd import attention_forward
+
+    p = s["plan"]
+
+    def kw(bm, bn, w, st, f):
+        return dict(fold=f, block_m=bm, block_n=bn, num_warps=w, num_stages=st,
+                    softmax_scale=s["scale"], softcap=0.0)  # fmt: skip
+
+    def fwd(bm, bn, w, st, f):
+        args = (s["q"], s["k"], s["v"], p.lo_q, p.hi_q, p.order_q(bm // f))
+        return lambda: attention_forward(*args, **kw(bm, bn, w, st, f))
+
+    def dq(bm, bn, w, st, f):
+        args = (s["do"], s["q"], s["k"], s["v"], s["o"], s["lse"], s["delta"], s["dq"], p.lo_q,
+                p.hi_q, p.order_q(bm // f))  # fmt: skip
+        return lambda: backward_dq(*args, **kw(bm, bn, w, st, f))
+
+    def dkdv(bn, bm, w, st, f):
+        args = (s["do"], s["q"], s["k"], s["v"], s["lse"], s["delta"], s["dk"], s["dv"], p.qlo_k,
+                p.qhi_k, p.order_k(bn))  # fmt: skip
+        return lambda: backward_dkdv(*args, **kw(bm, bn, w, st, f))
+
+    return {"fwd": fwd, "dq": dq, "dkdv": dkdv}
+
+
+def best_config(rows, min_tokens_floor=8):
+    """One KernelConfig per kernel: the (config, fold) with the smallest sum over cases of time
+    relative to that case's best (every case weighs the same). Returns the 15-int list."""
+    from collections import defaultdict
+
+    best_case = defaultdict(lambda: float("inf"))
+    for r in rows:
+        if not math.isnan(r["ms"]):
+            best_case[r["kernel"], r["case"]] = min(best_case[r["kernel"], r["case"]], r["ms"])
+    score = defaultdict(float)
+    for r in rows:
+        ms = r["ms"] if not math.isnan(r["ms"]) else float("inf")
+        score[r["kernel"], tuple(r["config"]), r["fold"]] += ms / best_case[r["kernel"], r["case"]]
+    cfg = []
+    for kernel in ("fwd", "dq", "dkdv"):
+        (_, c, f), _s = min(
+            ((k, v) for k, v in score.items() if k[0] == kernel), key=lambda kv: kv[1]
+        )
+        rows_per_step = c[1] if kernel == "dkdv" else c[0]
+        cfg += [*c, max(min_tokens_floor, rows_per_step // f)]
+        print(f"chosen {kernel}: {c} fold {f} (relative score {_s:.3f})")
+    return cfg
+
+
+def tune(all_cases, names, heads, dtype):
+    """Time every candidate config (x GQA fold) of each kernel on each case; print the best."""
+    out = []
+    for h in heads:
+        for case in names:
+            s = _triton_setup(all_cases[case], h, dtype)
+            launch = _launchers(s)
+            launch["dq"](64, 64, 4, 2, 1)()  # delta for the dK/dV runs
+            for kernel, cands in (
+                ("fwd", FWD_CANDIDATES),
+                ("dq", DQ_CANDIDATES),
+                ("dkdv", DKDV_CANDIDATES),
+            ):
+                res = []
+                for c in cands:
+                    for f in _folds(s["group"], c[1] if kernel == "dkdv" else c[0]):
+                        try:
+                            ms = bench_ms(launch[kernel](*c, f))
+                        except Exception as exc:  # e.g. out of shared memory for this config
+                            ms = float("nan")
+                            print(
+                                f"  {kernel} {c} fold {f}: {type(exc).__name__}: {str(exc)[:100]}"
+                            )
+                        res.append((ms, c, f))
+                        out.append(dict(heads=h, case=case, kernel=kernel, config=c, fold=f, ms=ms))
+                res = sorted(r for r in res if not math.isnan(r[0]))
+                top = ", ".join(f"{c} f{f}: {ms:.3f}" for ms, c, f in res[:4])
+                print(f"{h} {case} {kernel}: best {top}", flush=True)
+            del s
+            torch.cuda.empty_cache()
+    return out
+
+
+def _issued_flops(lo, hi, tile_rows, rows_per_step, step, cols, matmuls, d, programs_per_tile):
+    """FLOPs the kernel actually issues: every step multiplies a (rows x step) block, masked or not."""
+    n = lo.numel()
+    n_tiles = -(-n // tile_rows)
+    pad = n_tiles * tile_rows - n
+    lo = torch.nn.functional.pad(lo.long(), (0, pad), value=2**31 - 1).view(n_tiles, tile_rows)
+    hi = torch.nn.functional.pad(hi.long(), (0, pad), value=-1).view(n_tiles, tile_rows)
+    span = (hi.amax(1) - lo.amin(1) + 1).clamp_min(0)
+    steps = (span + step - 1) // step
+    return float(steps.sum()) * rows_per_step * cols * d * 2 * matmuls * programs_per_tile
+
+
+def breakdown(all_cases, names, heads, dtype):
+    """Per-kernel time, issued vs useful FLOPs and HBM floor of the triton backend's default config."""
+    from hf_varlen.ops.attention_schedule import fold_factor, get_plan, pick_config
+
+    out = []
+    for h in heads:
+        h_q, h_kv, d = HEADS[h]
+        for case in names:
+            lengths = all_cases[case]
+            s = _triton_setup(lengths, h, dtype)
+            cfg = pick_config(d, dtype, s["q"].device)
+            f_fwd = fold_factor(s["group"], cfg.fwd_block_m, cfg.fwd_min_tokens)
+            f_dq = fold_factor(s["group"], cfg.dq_block_m, cfg.dq_min_tokens)
+            f_kv = fold_factor(s["group"], cfg.kv_block_m, cfg.kv_min_tokens)
+            launch = _launchers(s)
+            total = sum(lengths)
+
+            def plan_build(
+                cu=s["cu"],
+                total=total,
+                tiles=(cfg.fwd_block_m // f_fwd, cfg.dq_block_m // f_dq, cfg.kv_block_n),
+            ):
+                fresh = cu.clone()  # a new tensor object: a real (uncached) build
+                plan = get_plan(fresh, fresh, total, total, -1, 0)
+                plan.order_q(tiles[0])
+                plan.order_q(tiles[1])
+                plan.order_k(tiles[2])
+
+            fwd_c = (cfg.fwd_block_m, cfg.fwd_block_n, cfg.fwd_warps, cfg.fwd_stages, f_fwd)
+            dq_c = (cfg.dq_block_m, cfg.dq_block_n, cfg.dq_warps, cfg.dq_stages, f_dq)
+            kv_c = (cfg.kv_block_n, cfg.kv_block_m, cfg.kv_warps, cfg.kv_stages, f_kv)
+            times = {
+                "plan": bench_ms(plan_build),
+                "fwd": bench_ms(launch["fwd"](*fwd_c)),
+                "dq": bench_ms(launch["dq"](*dq_c)),
+                "dkdv": bench_ms(launch["dkdv"](*kv_c)),
+            }
+            p = s["plan"]
+            useful = useful_flops_fwd(lengths, h_q, d)
+            bm, bn, bq, bk = cfg.fwd_block_m, cfg.fwd_block_n, cfg.dq_block_m, cfg.dq_block_n
+            kn, km = cfg.kv_block_n, cfg.kv_block_m
+            issued = {  # (lo, hi, tile rows, rows per step, step, cols, matmuls, d, programs/tile)
+                "fwd": _issued_flops(p.lo_q, p.hi_q, bm // f_fwd, bm, bn, bn, 2, d, h_q // f_fwd),
+                "dq": _issued_flops(p.lo_q, p.hi_q, bq // f_dq, bq, bk, bk, 3, d, h_q // f_dq),
+                "dkdv": _issued_flops(
+                    p.qlo_k, p.qhi_k, kn, km, km // f_kv, kn, 4, d, h_kv * (s["group"] // f_kv)
+                ),  # fmt: skip
+            }
+            useful_k = {"fwd": useful, "dq": 1.5 * useful, "dkdv": 2.0 * useful}
+            q_b, kv_b = total * h_q * d * 2, total * h_kv * d * 2
+            bytes_k = {
+                "fwd": 2 * q_b + 2 * kv_b,
+                "dq": 4 * q_b + 2 * kv_b,
+                "dkdv": 2 * q_b + 4 * kv_b,
+            }
+            for kern in ("fwd", "dq", "dkdv"):
+                ms = times[kern]
+                row = dict(
+                    heads=h,
+                    case=case,
+                    kernel=kern,
+                    ms=ms,
+                    useful_tflops=useful_k[kern] / ms / 1e9,
+                    issued_tflops=issued[kern] / ms / 1e9,
+                    issued_over_useful=issued[kern] / useful_k[kern],
+                    hbm_floor_ms=bytes_k[kern] / HBM_BYTES_PER_S * 1e3,
+                )
+                out.append(row)
+                print(json.dumps(row), flush=True)
+            out.append(dict(heads=h, case=case, kernel="plan (once per batch)", ms=times["plan"]))
+            print(
+                f"{h} {case}: plan build {times['plan']:.3f} ms (once per batch, cached across layers)"
+            )
+            del s
+            torch.cuda.empty_cache()
+    return out
+
+
+# ---- main -----------------------------------------------------------------------------------------
+
+
+def header() -> dict:
+    import transformers
+    import triton
+
+    try:
+        commit = (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"],
+                capture_output=True,
+                text=True,
+                cwd=HERE,
+                check=True,
+            ).stdout.strip()
+            or "uncommitted"
+        )
+    except (subprocess.CalledProcessError, FileNotFoundError):
+        commit = "uncommitted"
+    return {
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "transformers": transformers.__version__,
+        "commit": commit,
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+    }
+
+
+def run_case(case, lengths, heads, providers, device, dtype, check):
+    import hf_varlen
+
+    h_q, h_kv, d = HEADS[heads]
+    total = sum(lengths)
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32, device=device)
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(total, h_q, d, device=device, dtype=dtype, generator=g).requires_grad_()
+    k = torch.randn(total, h_kv, d, device=device, dtype=dtype, generator=g).requires_grad_()
+    v = torch.randn(total, h_kv, d, device=device, dtype=dtype, generator=g).requires_grad_()
+    grad = torch.randn(total, h_q, d, device=device, dtype=dtype, generator=g)
+    flops = useful_flops_fwd(lengths, h_q, d)
+    fl_f, fl_fb = floor_ms(total, h_q, h_kv, d)
+    with_grads = max(lengths) <= 4096
+    ref = rows = None
+    if check:
+        try:
+            ref, rows = reference_results(q, k, v, lengths, cu, grad, with_grads)
+        except torch.OutOfMemoryError:
+            ref = None
+        torch.cuda.empty_cache()
+    base = dict(
+        case=case,
+        heads=heads,
+        tokens=total,
+        docs=len(lengths),
+        max_len=max(lengths),
+        useful_gflop_fwd=flops / 1e9,
+        floor_fwd_ms=fl_f,
+        floor_fb_ms=fl_fb,
+    )
+    rows_out = []
+    for name in providers:
+        row = dict(base, provider=name)
+        try:
+            extra = ""
+            if name == "sdpa_padded":
+                prepare, fn, unpad = padded_provider(lengths, device)
+                qp, kp, vp = prepare(q, k, v)
+                gp = prepare(grad, grad[:, :h_kv], grad[:, :h_kv])[0].detach()
+                fwd, bwd, fb = time_provider(fn, qp, kp, vp, gp)
+                pad = 1 - total / (len(lengths) * max(lengths))
+                extra = f"{pad:.0%} padding"
+                got = None
+                if ref is not None:
+                    qp.grad = kp.grad = vp.grad = None
+                    o = fn(qp, kp, vp)
+                    got = {"out": unpad(o.detach())}
+                    if rows is None and with_grads:
+                        o.backward(prepare(grad, grad[:, :h_kv], grad[:, :h_kv])[0].detach())
+                        got.update(dq=unpad(qp.grad), dk=unpad(kp.grad), dv=unpad(vp.grad))
+                del qp, kp, vp, gp
+            else:
+                reason = hf_varlen.backends.unavailable_reason(name)
+                if reason is not None:
+                    raise RuntimeError(reason)
+                fn = varlen_provider(name, cu, max(lengths))
+                if name == "flex":
+                    extra = f"mask build {flex_mask_build_ms(cu, total):.2f} ms"
+                fn(q, k, v)  # warm-up / compile
+                fwd, bwd, fb = time_provider(fn, q, k, v, grad)
+                got = None
+                if ref is not None:
+                    q.grad = k.grad = v.grad = None
+                    o = fn(q, k, v)
+                    got = {"out": o.detach()}
+                    if with_grads:
+                        o.backward(grad)
+                        got.update(dq=q.grad, dk=k.grad, dv=v.grad)
+                    q.grad = k.grad = v.grad = None
+            row.update(
+                fwd_ms=fwd, bwd_ms=bwd, fb_ms=fb, tflops_fb=3.5 * flops / fb / 1e9, extra=extra
+            )
+            if got is not None:
+                got_ref = {kk: vv for kk, vv in ref.items() if kk in got}
+                row["match"] = match(got, got_ref, rows)
+            else:
+                row["match"] = "n/a" if ref is None else "-"
+        except torch.OutOfMemoryError:
+            row["error"] = "OOM"
+        except Exception as exc:  # a provider that cannot run this case: report, keep going
+            row["error"] = f"n/a: {type(exc).__name__}: {str(exc).splitlines()[0][:150]}"
+        torch.cuda.empty_cache()
+        rows_out.append(row)
+        print(json.dumps(row), flush=True)
+    return rows_out
+
+
+def flex_mask_build_ms(cu, total) -> float:
+    from hf_varlen.backends.flex import document_block_mask
+
+    times = []
+    for _ in range(6):
+        fresh = cu.clone()  # a new tensor object defeats the per-batch cache: a real rebuild
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        document_block_mask(fresh, fresh, total, total, causal=True, window_size=(-1, -1))
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times[1:])[len(times[1:]) // 2]
+
+
+def table(rows) -> str:
+    tri = {(r["case"], r["heads"]): r for r in rows if r["provider"] == "triton" and "fb_ms" in r}
+    out = [
+        "| case | heads | tokens / docs / max | provider | fwd ms | bwd ms | f+b ms | TFLOP/s f+b "
+        "| triton speedup (f+b) | % of HBM floor (f+b) | match | notes |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        shape = f"{r['tokens']} / {r['docs']} / {r['max_len']}"
+        if "error" in r:
+            out.append(
+                f"| {r['case']} | {r['heads']} | {shape} | {r['provider']} | {r['error']} "
+                "| | | | | | | |"
+            )
+            continue
+        t = tri.get((r["case"], r["heads"]))
+        speed = f"{r['fb_ms'] / t['fb_ms']:.2f}x" if t else "-"
+        out.append(
+            f"| {r['case']} | {r['heads']} | {shape} | {r['provider']} | {r['fwd_ms']:.3f} | "
+            f"{r['bwd_ms']:.3f} | {r['fb_ms']:.3f} | {r['tflops_fb']:.0f} | {speed} | "
+            f"{r['floor_fb_ms'] / r['fb_ms']:.0%} | {r.get('match', '-')} | {r.get('extra', '')} |"
+        )
+    return "\n".join(out)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--make-lengths", action="store_true", help="tokenize the shared data, write scripts/data"
+    )
+    ap.add_argument("--shared-data", type=Path, default=HERE.parents[1] / "shared" / "data")
+    ap.add_argument("--providers", default=",".join(PROVIDERS))
+    ap.add_argument("--cases", default="all", help="comma list of case names (default all)")
+    ap.add_argument("--heads", default="32/8/128", help=f"comma list from {list(HEADS)} or 'all'")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    ap.add_argument("--no-check", action="store_true", help="skip the reference match column")
+    ap.add_argument(
+        "--breakdown", action="store_true", help="per-kernel times of the triton backend"
+    )
+    ap.add_argument(
+        "--tune", action="store_true", help="sweep triton block configs on the chosen cases"
+    )
+    ap.add_argument("--write-config", type=Path, help="with --tune: write the chosen config JSON")
+    ap.add_argument("--json", type=Path, help="write header + rows as JSON")
+    args = ap.parse_args(argv)
+    if args.make_lengths:
+        make_lengths(args.shared_data)
+        return
+    if not torch.cuda.is_available():
+        raise SystemExit("this benchmark needs a CUDA GPU (use --make-lengths on CPU)")
+    all_cases = cases()
+    names = list(all_cases) if args.cases == "all" else args.cases.split(",")
+    heads = list(HEADS) if args.heads == "all" else args.heads.split(",")
+    hdr = header()
+    print(" | ".join(f"{k}: {v}" for k, v in hdr.items()), flush=True)
+    dtype = getattr(torch, args.dtype)
+    result = {"header": hdr}
+    if args.tune or args.breakdown:
+        if args.tune:
+            result["tune"] = tune(all_cases, names, heads, dtype)
+            result["chosen"] = best_config(result["tune"])
+            if args.write_config:  # usable via HF_VARLEN_TRITON_ATTN_CONFIG=<path>
+                args.write_config.write_text(
+                    json.dumps({"64": result["chosen"], "128": result["chosen"]})
+                )
+        if args.breakdown:
+            result["breakdown"] = breakdown(all_cases, names, heads, dtype)
+    else:
+        rows = []
+        for case in names:
+            for h in heads:
+                rows += run_case(
+                    case,
+                    all_cases[case],
+                    h,
+                    args.providers.split(","),
+                    "cuda",
+                    dtype,
+                    not args.no_check,
+                )
+        print()
+        print(" | ".join(f"{k}: {v}" for k, v in hdr.items()))
+        print()
+        print(table(rows))
+        result["rows"] = rows
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    main()
