@@ -12,6 +12,8 @@ from __future__ import annotations
 from .attention import varlen_attention
 from .backends import available_backends, default_backend, register_backend, set_backend
 from .collator import PackingCollator
+from .integrations.hub_package import enable_local_hub_kernel, hub_kernel_path
+from .integrations.kernels_hub import KernelizeReport, kernelize
 from .integrations.transformers import register
 from .packing import PackingResult, PackingStats, TokenBudgetBatchSampler, pack_by_tokens
 
@@ -21,6 +23,10 @@ ATTN_IMPLEMENTATION = register()
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
+    "KernelizeReport",
+    "enable_local_hub_kernel",
+    "hub_kernel_path",
+    "kernelize",
     "PackingCollator",
     "PackingResult",
     "PackingStats",
