@@ -1,0 +1,371 @@
+"""Gated linear units (SwiGLU, GeGLU) in Triton: forward and backward.
+
+Math (F = intermediate size; all arithmetic in fp32, rounding points as in HF eager):
+
+    a   = round(act(gate))                  act = silu | gelu (erf) | gelu (tanh)
+    out = round(a * up)
+    d_up   = round(d_out * a)
+    d_gate = round(round(d_out * up) * act'(gate))
+
+``round`` is a cast to the input dtype; it is what HF's ``act_fn(gate_proj(x)) * up_proj(x)``
+does in bf16/fp16 (every torch op rounds its result) and a no-op in fp32. The backward pass
+recomputes ``act`` from the saved ``gate``/``up``: the activation is never stored.
+
+    silu(g)      = g * s(g)                         s = sigmoid
+    silu'(g)     = s(g) * (1 + g * (1 - s(g)))
+    gelu(g)      = g * c(g)                         c = 0.5 * (1 + erf(g / sqrt(2)))
+    gelu'(g)     = c(g) + g * exp(-g^2 / 2) / sqrt(2 pi)
+    gelu_tanh(g) = g * s(2u)                        u = sqrt(2/pi) * (g + 0.044715 g^3)
+    gelu_tanh'(g)= s(2u) + g * s(2u) * (1 - s(2u)) * 2 sqrt(2/pi) * (1 + 3 * 0.044715 g^2)
+
+(``0.5 * (1 + tanh(u)) == s(2u)`` exactly, which avoids a tanh the Triton interpreter lacks.)
+
+Shapes: gate, up (..., F) with any leading shape; the last dimension must be contiguous (else it
+is copied), the leading dimensions may be strided, so ``gate, up = h[..., :F], h[..., F:]`` of one
+fused (..., 2F) projection is read in place. Outputs and gradients are fresh contiguous (..., F).
+
+Kernels: a flat grid of (row, column block) programs, column blocks fastest so consecutive
+programs stream consecutive memory. Offsets are int32 unless some tensor's last element lies past
+2^31 (``LONG_INDEXING``, decided on the host), so ordinary sizes keep the cheap path.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
+_INT32_LIMIT = 2**31 - 1
+
+_SQRT1_2 = tl.constexpr(0.7071067811865476)  # 1 / sqrt(2)
+_INV_SQRT_2PI = tl.constexpr(0.3989422804014327)  # 1 / sqrt(2 pi)
+_SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)  # sqrt(2 / pi)
+_GELU_CUBIC = tl.constexpr(0.044715)
+# The interpreter truncates fp32 -> bf16 casts; GPUs round to nearest even. Emulate the GPU there.
+_RTNE_BF16_BY_HAND = tl.constexpr(_INTERPRET)
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _round(x, dtype: tl.constexpr):
+    """Cast fp32 x to dtype, rounding to nearest even (what a cast does on the GPU)."""
+    if _RTNE_BF16_BY_HAND and dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(dtype)
+
+
+@triton.jit
+def _sigmoid_pair(z):
+    """(sigmoid(z), 1 - sigmoid(z)) without the cancellation of computing 1 - s."""
+    e = tl.exp(-tl.abs(z))  # <= 1: never overflows
+    s_big = 1.0 / (1.0 + e)
+    s_small = e * s_big
+    return tl.where(z >= 0, s_big, s_small), tl.where(z >= 0, s_small, s_big)
+
+
+@triton.jit
+def _activation(g, ACTIVATION: tl.constexpr):
+    """act(g) for fp32 g (the same expressions as _activation_and_grad)."""
+    if ACTIVATION == "silu":
+        a = g * tl.sigmoid(g)
+    elif ACTIVATION == "gelu":
+        a = g * (0.5 * (1.0 + tl.math.erf(g * _SQRT1_2)))
+    else:  # gelu_tanh: 0.5 * (1 + tanh(u)) = sigmoid(2u)
+        s, _ = _sigmoid_pair((g + g * g * g * _GELU_CUBIC) * (2.0 * _SQRT_2_OVER_PI))
+        a = g * s
+    return a
+
+
+@triton.jit
+def _activation_and_grad(g, ACTIVATION: tl.constexpr):
+    """(act(g), act'(g)) for fp32 g."""
+    if ACTIVATION == "silu":
+        s = tl.sigmoid(g)
+        a = g * s
+        da = s * (1.0 + g * (1.0 - s))
+    elif ACTIVATION == "gelu":
+        c = 0.5 * (1.0 + tl.math.erf(g * _SQRT1_2))
+        a = g * c
+        da = c + g * tl.exp(-0.5 * g * g) * _INV_SQRT_2PI
+    else:  # gelu_tanh
+        g2 = g * g
+        s, s_c = _sigmoid_pair((g + g2 * g * _GELU_CUBIC) * (2.0 * _SQRT_2_OVER_PI))
+        a = g * s
+        da = s + a * s_c * (1.0 + g2 * (3.0 * _GELU_CUBIC)) * (2.0 * _SQRT_2_OVER_PI)
+    return a, da
+
+
+@triton.jit
+def _glu_fwd_kernel(
+    GATE,
+    UP,
+    OUT,
+    stride_gate_row,
+    stride_up_row,
+    stride_out_row,
+    n_cols,
+    n_col_blocks,
+    ACTIVATION: tl.constexpr,
+    BLOCK: tl.constexpr,
+    LONG_INDEXING: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    row = pid // n_col_blocks
+    if LONG_INDEXING:
+        row = row.to(tl.int64)
+    o_col = (pid % n_col_blocks) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
+    m_col = o_col < n_cols
+    dtype = OUT.dtype.element_ty
+
+    b_g = tl.load(GATE + row * stride_gate_row + o_col, mask=m_col, other=0.0).to(tl.float32)
+    b_u = tl.load(UP + row * stride_up_row + o_col, mask=m_col, other=0.0).to(tl.float32)
+    b_a = _round(_activation(b_g, ACTIVATION), dtype).to(tl.float32)  # HF rounds act(gate) first
+    tl.store(OUT + row * stride_out_row + o_col, _round(b_a * b_u, dtype), mask=m_col)
+
+
+@triton.jit
+def _glu_bwd_kernel(
+    DOUT,
+    GATE,
+    UP,
+    DGATE,
+    DUP,
+    stride_dout_row,
+    stride_gate_row,
+    stride_up_row,
+    n_cols,
+    n_col_blocks,
+    ACTIVATION: tl.constexpr,
+    BLOCK: tl.constexpr,
+    LONG_INDEXING: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    row = pid // n_col_blocks
+    if LONG_INDEXING:
+        row = row.to(tl.int64)
+    o_col = (pid % n_col_blocks) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
+    m_col = o_col < n_cols
+    dtype = DGATE.dtype.element_ty
+
+    b_do = tl.load(DOUT + row * stride_dout_row + o_col, mask=m_col, other=0.0).to(tl.float32)
+    b_g = tl.load(GATE + row * stride_gate_row + o_col, mask=m_col, other=0.0).to(tl.float32)
+    b_u = tl.load(UP + row * stride_up_row + o_col, mask=m_col, other=0.0).to(tl.float32)
+    b_a, b_da = _activation_and_grad(b_g, ACTIVATION)
+    b_a = _round(b_a, dtype).to(tl.float32)
+    b_dact = _round(b_do * b_u, dtype).to(tl.float32)  # HF's grad of act(gate), rounded
+    # dgate/dup are fresh contiguous (rows, n_cols) buffers.
+    o_out = row * n_cols + o_col
+    tl.store(DUP + o_out, _round(b_do * b_a, dtype), mask=m_col)
+    tl.store(DGATE + o_out, _round(b_dact * b_da, dtype), mask=m_col)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launchers (tensors in, tensors out; no autograd)
+# ----------------------------------------------------------------------------------------------
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """(R, F) view of a (..., F) tensor with unit column stride; copies only when it must."""
+    n_cols = t.shape[-1]
+    if t.stride(-1) != 1 and n_cols > 1:
+        t = t.contiguous()
+    try:
+        return t.view(-1, n_cols)
+    except RuntimeError:  # leading dims that cannot be merged into one row stride
+        return t.reshape(-1, n_cols)
+
+
+def _config(n_cols: int) -> tuple[int, int]:
+    """Default (BLOCK, num_warps) for rows of n_cols elements: 8 elements per thread."""
+    block = min(triton.next_power_of_2(n_cols), 2048)
+    return block, max(1, block // 256)
+
+
+def _needs_long_indexing(n_rows: int, padded_cols: int, row_strides: list[int]) -> bool:
+    """True when some offset row * stride + col can pass int32 (masked lanes included)."""
+    return any((n_rows - 1) * s + padded_cols - 1 > _INT32_LIMIT for s in row_strides)
+
+
+def _launch_geometry(n_rows: int, n_cols: int, block: int | None, num_warps: int | None):
+    default_block, default_warps = _config(n_cols)
+    block, num_warps = block or default_block, num_warps or default_warps
+    n_col_blocks = triton.cdiv(n_cols, block)
+    if n_rows * n_col_blocks > _INT32_LIMIT:
+        raise ValueError(
+            f"glu: {n_rows} rows x {n_col_blocks} column blocks exceed the launch grid limit 2^31-1"
+        )
+    return block, num_warps, n_col_blocks
+
+
+def glu_forward(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    activation: str,
+    *,
+    long_indexing: bool | None = None,
+    block: int | None = None,
+    num_warps: int | None = None,
+) -> torch.Tensor:
+    """out = round(act(gate)) * up as a fresh contiguous tensor of gate's shape.
+
+    ``long_indexing``/``block``/``num_warps`` are private overrides for tests and benchmarks
+    (None = chosen from the shapes).
+    """
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    if out.numel() == 0:
+        return out
+    g2, u2, o2 = _rows(gate), _rows(up), out.view(-1, gate.shape[-1])
+    n_rows, n_cols = g2.shape
+    block, num_warps, n_col_blocks = _launch_geometry(n_rows, n_cols, block, num_warps)
+    if long_indexing is None:
+        strides = [g2.stride(0), u2.stride(0), o2.stride(0)]
+        long_indexing = _needs_long_indexing(n_rows, n_col_blocks * block, strides)
+    _glu_fwd_kernel[(n_rows * n_col_blocks,)](
+        g2,
+        u2,
+        o2,
+        g2.stride(0),
+        u2.stride(0),
+        o2.stride(0),
+        n_cols,
+        n_col_blocks,
+        ACTIVATION=activation,
+        BLOCK=block,
+        LONG_INDEXING=bool(long_indexing),
+        num_warps=num_warps,
+    )
+    return out
+
+
+def glu_backward(
+    dout: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    activation: str,
+    *,
+    long_indexing: bool | None = None,
+    block: int | None = None,
+    num_warps: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d_gate, d_up) as fresh contiguous tensors; the inputs are only read."""
+    dgate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    dup = torch.empty_like(dgate)
+    if dgate.numel() == 0:
+        return dgate, dup
+    do2, g2, u2 = _rows(dout), _rows(gate), _rows(up)
+    n_rows, n_cols = g2.shape
+    block, num_warps, n_col_blocks = _launch_geometry(n_rows, n_cols, block, num_warps)
+    if long_indexing is None:
+        strides = [do2.stride(0), g2.stride(0), u2.stride(0), n_cols]
+        long_indexing = _needs_long_indexing(n_rows, n_col_blocks * block, strides)
+    _glu_bwd_kernel[(n_rows * n_col_blocks,)](
+        do2,
+        g2,
+        u2,
+        dgate,
+        dup,
+        do2.stride(0),
+        g2.stride(0),
+        u2.stride(0),
+        n_cols,
+        n_col_blocks,
+        ACTIVATION=activation,
+        BLOCK=block,
+        LONG_INDEXING=bool(long_indexing),
+        num_warps=num_warps,
+    )
+    return dgate, dup
+
+
+# ----------------------------------------------------------------------------------------------
+# Autograd
+# ----------------------------------------------------------------------------------------------
+
+
+class _GLUFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up, activation):
+        ctx.activation = activation
+        ctx.save_for_backward(gate, up)  # inputs only: the activation is recomputed
+        return glu_forward(gate, up, activation)
+
+    @staticmethod
+    def backward(ctx, dout):
+        gate, up = ctx.saved_tensors
+        if not (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]):
+            return None, None, None
+        dgate, dup = glu_backward(dout, gate, up, ctx.activation)
+        return (
+            dgate if ctx.needs_input_grad[0] else None,
+            dup if ctx.needs_input_grad[1] else None,
+            None,
+        )
+
+
+def _check_inputs(fn: str, gate, up) -> None:
+    for name, t in (("gate", gate), ("up", up)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"{fn}: {name} must be float16, bfloat16 or float32, got {t.dtype}")
+        if t.dim() == 0:
+            raise ValueError(f"{fn}: {name} must have at least 1 dimension, got a scalar")
+        if t.device.type != "cuda" and not _INTERPRET:
+            raise ValueError(
+                f"{fn}: {name} must be on a CUDA device (or set TRITON_INTERPRET=1 before "
+                f"importing hf_varlen for the CPU interpreter), got {t.device}"
+            )
+    if gate.shape != up.shape:
+        raise ValueError(
+            f"{fn}: gate and up must have the same shape, got {tuple(gate.shape)} and "
+            f"{tuple(up.shape)}"
+        )
+    if gate.dtype != up.dtype:
+        raise TypeError(f"{fn}: gate and up must share a dtype, got {gate.dtype} and {up.dtype}")
+    if gate.device != up.device:
+        raise ValueError(
+            f"{fn}: gate and up must be on one device, got {gate.device} and {up.device}"
+        )
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU: ``silu(gate) * up`` with HF's rounding order, differentiable in gate and up.
+
+    Args:
+        gate: (..., F) fp16/bf16/fp32, the gate projection (HF ``gate_proj(x)``). The last dim must
+            be contiguous for a copy-free call; leading dims may be strided, e.g. ``h[..., :F]``
+            of a fused (..., 2F) projection.
+        up: (..., F), same shape, dtype and device (HF ``up_proj(x)``, or ``h[..., F:]``).
+
+    Returns:
+        (..., F) tensor of gate's dtype, equal to HF's ``nn.SiLU()(gate) * up`` within the numerics
+        rule of TESTING.md. Inputs are never modified; the backward pass recomputes silu(gate) and
+        returns fresh gradient tensors.
+    """
+    _check_inputs("swiglu", gate, up)
+    return _GLUFunction.apply(gate, up, "silu")
+
+
+def geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """GeGLU: ``gelu(gate, approximate) * up`` with HF's rounding order (see :func:`swiglu`).
+
+    Args:
+        gate, up: as in :func:`swiglu`.
+        approximate: ``"none"`` for the erf GELU (HF ``"gelu"``) or ``"tanh"`` for the tanh
+            approximation (HF ``"gelu_pytorch_tanh"``, used by Gemma/Gemma2).
+    """
+    if approximate not in ("none", "tanh"):
+        raise ValueError(f"geglu: approximate must be 'none' or 'tanh', got {approximate!r}")
+    _check_inputs("geglu", gate, up)
+    return _GLUFunction.apply(gate, up, "gelu" if approximate == "none" else "gelu_tanh")

@@ -1,0 +1,357 @@
+"""RMSNorm in Triton: forward and backward, Llama and Gemma styles, fp32 statistics.
+
+Math (per row x of H elements; statistics and arithmetic in fp32; ``round`` = cast to x's dtype):
+
+    rstd = 1 / sqrt(mean(x^2) + eps)            n = x * rstd
+    Llama (add_unit_offset=False):  y = w * round(n)          (dtype promote(w, x), HF order)
+    Gemma (add_unit_offset=True):   y = round(n * (1 + w))
+
+Backward (dy upstream, g = d loss / d n; Llama rounds g like HF's autograd does):
+
+    Llama:  g = round(dy * w)      dw = sum_rows dy * round(n)
+    Gemma:  g = dy * (1 + w)       dw = sum_rows dy * n
+    dx = rstd * (g - n * mean(g * n))
+
+Shapes: x (..., H) with any leading shape (rows may be strided; the last dim must be contiguous,
+else x is copied), weight (H,), output (..., H), rstd (rows,) fp32 saved for the backward pass.
+dweight is reduced across rows in fp32: each of a few persistent programs accumulates its rows in
+registers and writes one fp32 partial row; the partial rows are summed on the host side.
+
+Offsets are int32 unless a row offset can pass 2^31 (``LONG_INDEXING``, decided on the host).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_INT32_LIMIT = 2**31 - 1
+_MAX_HIDDEN = 65536  # one row lives in registers
+_MAX_PREFETCH_BLOCK = 8192  # wider rows cannot double-buffer in registers without spilling
+# The interpreter truncates fp32 -> bf16 casts; GPUs round to nearest even. Emulate the GPU there.
+_RTNE_BF16_BY_HAND = tl.constexpr(_INTERPRET)
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _round(x, dtype: tl.constexpr):
+    """Cast fp32 x to dtype, rounding to nearest even (what a cast does on the GPU)."""
+    if _RTNE_BF16_BY_HAND and dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(dtype)
+
+
+@triton.jit
+def _rms_norm_fwd_kernel(
+    X,
+    W,
+    Y,
+    RSTD,
+    stride_x_row,
+    stride_y_row,
+    n_cols,
+    eps,
+    ADD_UNIT_OFFSET: tl.constexpr,
+    BLOCK: tl.constexpr,
+    LONG_INDEXING: tl.constexpr,
+):
+    row = tl.program_id(0)
+    if LONG_INDEXING:
+        row = row.to(tl.int64)
+    o_col = tl.arange(0, BLOCK)  # [BLOCK]
+    m_col = o_col < n_cols
+
+    b_x = tl.load(X + row * stride_x_row + o_col, mask=m_col, other=0.0).to(tl.float32)
+    b_w = tl.load(W + o_col, mask=m_col, other=0.0).to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(b_x * b_x, axis=0) / n_cols + eps)
+    tl.store(RSTD + row, rstd)
+    b_n = b_x * rstd
+    if ADD_UNIT_OFFSET:
+        b_y = b_n * (1.0 + b_w)
+    else:
+        b_y = b_w * _round(b_n, X.dtype.element_ty).to(tl.float32)
+    tl.store(Y + row * stride_y_row + o_col, _round(b_y, Y.dtype.element_ty), mask=m_col)
+
+
+@triton.jit(do_not_specialize=["n_rows", "n_programs"])
+def _rms_norm_bwd_kernel(
+    DY,
+    X,
+    W,
+    RSTD,
+    DX,
+    DW_PARTIAL,
+    stride_dy_row,
+    stride_x_row,
+    stride_dx_row,
+    n_rows,
+    n_cols,
+    n_programs,
+    ADD_UNIT_OFFSET: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    LONG_INDEXING: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    o_col = tl.arange(0, BLOCK)  # [BLOCK]
+    m_col = o_col < n_cols
+    x_dtype = X.dtype.element_ty
+
+    b_w = tl.load(W + o_col, mask=m_col, other=0.0).to(tl.float32)
+    if ADD_UNIT_OFFSET:
+        b_w = 1.0 + b_w
+    b_dw = tl.zeros([BLOCK], dtype=tl.float32)
+    if PREFETCH:
+        # Software pipelining by hand: the next row's x, dy (kept in the input dtype) and rstd
+        # load during this row's reduction and store, so two programs per SM keep HBM busy.
+        first = pid
+        if LONG_INDEXING:
+            first = tl.cast(pid, tl.int64)
+        b_x_next = tl.load(X + first * stride_x_row + o_col, mask=m_col, other=0.0)
+        b_dy_next = tl.load(DY + first * stride_dy_row + o_col, mask=m_col, other=0.0)
+        rstd_next = tl.load(RSTD + first)
+    for i_row in range(pid, n_rows, n_programs):
+        # (the int32 cast is a no-op, but makes row a tensor in the interpreter too)
+        row = tl.cast(i_row, tl.int64 if LONG_INDEXING else tl.int32)
+        if PREFETCH:
+            b_x = b_x_next.to(tl.float32)
+            b_dy = b_dy_next.to(tl.float32)
+            rstd = rstd_next
+            nxt = row + n_programs
+            m_next = o_col < tl.where(nxt < n_rows, n_cols, 0)  # nothing past the last row
+            nxt = tl.minimum(nxt, n_rows - 1)  # keeps the masked-off address in range
+            b_x_next = tl.load(X + nxt * stride_x_row + o_col, mask=m_next, other=0.0)
+            b_dy_next = tl.load(DY + nxt * stride_dy_row + o_col, mask=m_next, other=0.0)
+            rstd_next = tl.load(RSTD + nxt)
+        else:
+            b_x = tl.load(X + row * stride_x_row + o_col, mask=m_col, other=0.0).to(tl.float32)
+            b_dy = tl.load(DY + row * stride_dy_row + o_col, mask=m_col, other=0.0).to(tl.float32)
+            rstd = tl.load(RSTD + row)
+        b_n = b_x * rstd
+        if ADD_UNIT_OFFSET:
+            b_g = b_dy * b_w
+            b_dw += b_dy * b_n
+        else:
+            b_g = _round(b_dy * b_w, x_dtype).to(tl.float32)
+            b_dw += b_dy * _round(b_n, x_dtype).to(tl.float32)
+        b_dx = (b_g - b_n * (tl.sum(b_g * b_n, axis=0) / n_cols)) * rstd
+        tl.store(DX + row * stride_dx_row + o_col, _round(b_dx, x_dtype), mask=m_col)
+    tl.store(DW_PARTIAL + pid * n_cols + o_col, b_dw, mask=m_col)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launchers (tensors in, tensors out; no autograd)
+# ----------------------------------------------------------------------------------------------
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """(R, H) view of a (..., H) tensor with unit column stride; copies only when it must."""
+    n_cols = t.shape[-1]
+    if t.stride(-1) != 1 and n_cols > 1:
+        t = t.contiguous()
+    try:
+        return t.view(-1, n_cols)
+    except RuntimeError:  # leading dims that cannot be merged into one row stride
+        return t.reshape(-1, n_cols)
+
+
+def _block_and_warps(n_cols: int, num_warps: int | None) -> tuple[int, int]:
+    """One row per block, ~16 elements per thread (no register spills up to H = 8192)."""
+    block = triton.next_power_of_2(n_cols)
+    return block, num_warps or max(1, min(32, block // 512))
+
+
+def _needs_long_indexing(n_rows: int, block: int, row_strides: list[int]) -> bool:
+    """True when some offset row * stride + col can pass int32 (masked lanes included)."""
+    return any((n_rows - 1) * s + block - 1 > _INT32_LIMIT for s in row_strides)
+
+
+def _num_programs(
+    n_rows: int, device: torch.device, num_warps: int, programs_per_sm: int | None
+) -> int:
+    """Persistent grid size for the backward pass.
+
+    ~16 warps per SM: kernels use <= 128 registers per thread, so 2 programs of 8 warps (H = 4096)
+    or 4 of 4 warps (H = 2048) are all resident at once (no partial second wave).
+    """
+    if device.type != "cuda":  # interpreter: a few programs still exercise the row loop
+        return max(1, min(n_rows, 4))
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(n_rows, sms * (programs_per_sm or max(2, 16 // num_warps))))
+
+
+def rms_norm_forward(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    add_unit_offset: bool,
+    *,
+    long_indexing: bool | None = None,
+    num_warps: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, rstd): y a fresh contiguous tensor of x's shape, rstd (rows,) fp32.
+
+    ``long_indexing``/``num_warps`` are private overrides for tests and benchmarks.
+    """
+    out_dtype = x.dtype if add_unit_offset else torch.promote_types(weight.dtype, x.dtype)
+    y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    x2 = _rows(x)
+    n_rows, n_cols = x2.shape
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    if y.numel() == 0:
+        return y, rstd
+    y2 = y.view(-1, n_cols)
+    weight = weight.contiguous()
+    block, num_warps = _block_and_warps(n_cols, num_warps)
+    if long_indexing is None:
+        long_indexing = _needs_long_indexing(n_rows, block, [x2.stride(0), n_cols])
+    _rms_norm_fwd_kernel[(n_rows,)](
+        x2,
+        weight,
+        y2,
+        rstd,
+        x2.stride(0),
+        y2.stride(0),
+        n_cols,
+        eps,
+        ADD_UNIT_OFFSET=add_unit_offset,
+        BLOCK=block,
+        LONG_INDEXING=bool(long_indexing),
+        num_warps=num_warps,
+    )
+    return y, rstd
+
+
+def rms_norm_backward(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    rstd: torch.Tensor,
+    add_unit_offset: bool,
+    *,
+    long_indexing: bool | None = None,
+    num_warps: int | None = None,
+    programs_per_sm: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx, dweight) as fresh tensors (dx contiguous, x's dtype; dweight weight's dtype)."""
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    x2, dy2 = _rows(x), _rows(dy)
+    n_rows, n_cols = x2.shape
+    if dx.numel() == 0:
+        return dx, torch.zeros_like(weight)
+    dx2 = dx.view(-1, n_cols)
+    weight = weight.contiguous()
+    block, num_warps = _block_and_warps(n_cols, num_warps)
+    n_programs = _num_programs(n_rows, x.device, num_warps, programs_per_sm)
+    dw_partial = torch.empty(n_programs, n_cols, dtype=torch.float32, device=x.device)
+    if long_indexing is None:
+        long_indexing = _needs_long_indexing(n_rows, block, [x2.stride(0), dy2.stride(0), n_cols])
+    _rms_norm_bwd_kernel[(n_programs,)](
+        dy2,
+        x2,
+        weight,
+        rstd,
+        dx2,
+        dw_partial,
+        dy2.stride(0),
+        x2.stride(0),
+        dx2.stride(0),
+        n_rows,
+        n_cols,
+        n_programs,
+        ADD_UNIT_OFFSET=add_unit_offset,
+        BLOCK=block,
+        PREFETCH=block <= _MAX_PREFETCH_BLOCK,
+        LONG_INDEXING=bool(long_indexing),
+        num_warps=num_warps,
+    )
+    return dx, dw_partial.sum(0).to(weight.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Autograd
+# ----------------------------------------------------------------------------------------------
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps, add_unit_offset):
+        y, rstd = rms_norm_forward(x, weight, eps, add_unit_offset)
+        ctx.add_unit_offset = add_unit_offset
+        ctx.save_for_backward(x, weight, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, rstd = ctx.saved_tensors
+        if not (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]):
+            return None, None, None, None
+        dx, dw = rms_norm_backward(dy, x, weight, rstd, ctx.add_unit_offset)
+        return (
+            dx if ctx.needs_input_grad[0] else None,
+            dw if ctx.needs_input_grad[1] else None,
+            None,
+            None,
+        )
+
+
+def _check_inputs(x, weight, eps) -> None:
+    for name, t in (("x", x), ("weight", weight)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"rms_norm: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"rms_norm: {name} must be float16, bfloat16 or float32, got {t.dtype}")
+        if t.device.type != "cuda" and not _INTERPRET:
+            raise ValueError(
+                f"rms_norm: {name} must be on a CUDA device (or set TRITON_INTERPRET=1 before "
+                f"importing hf_varlen for the CPU interpreter), got {t.device}"
+            )
+    if x.dim() == 0 or x.shape[-1] == 0:
+        raise ValueError(f"rms_norm: x must have a last dim of size >= 1, got {tuple(x.shape)}")
+    if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
+        raise ValueError(
+            f"rms_norm: weight must have shape ({x.shape[-1]},) to match x's last dim, got "
+            f"{tuple(weight.shape)}"
+        )
+    if x.shape[-1] > _MAX_HIDDEN:
+        raise ValueError(f"rms_norm: hidden size must be <= {_MAX_HIDDEN}, got {x.shape[-1]}")
+    if weight.device != x.device:
+        raise ValueError(
+            f"rms_norm: x and weight must be on one device, got {x.device} and {weight.device}"
+        )
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
+        raise ValueError(f"rms_norm: eps must be a float >= 0, got {eps!r}")
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, add_unit_offset: bool = False
+) -> torch.Tensor:
+    """RMSNorm over the last dim with HF's rounding order, differentiable in x and weight.
+
+    Args:
+        x: (..., H) fp16/bf16/fp32. Leading dims may be strided; a non-contiguous last dim is
+            copied first. H <= 65536.
+        weight: (H,) fp16/bf16/fp32 on x's device.
+        eps: added to mean(x^2) in fp32.
+        add_unit_offset: False for Llama style (``LlamaRMSNorm``: ``weight * n.to(x.dtype)``, output
+            dtype ``promote(weight, x)``); True for Gemma style (``GemmaRMSNorm``/``Gemma2RMSNorm``:
+            ``(n * (1 + weight.float())).to(x.dtype)``).
+
+    Returns:
+        (..., H) tensor matching the HF module's output within the numerics rule of TESTING.md.
+        Inputs are never modified; the backward pass returns fresh dx and an fp32-accumulated
+        dweight.
+    """
+    _check_inputs(x, weight, eps)
+    return _RMSNormFunction.apply(x, weight, float(eps), bool(add_unit_offset))
