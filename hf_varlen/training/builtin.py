@@ -1,0 +1,157 @@
+"""What `hf-varlen train` needs when given nothing: a tokenizer, data and model shapes, no downloads.
+
+- ``byte_tokenizer()``: a byte-level tokenizer (256 byte tokens + 4 specials, vocab 260) built in
+  code with ``tokenizers``; every UTF-8 string round-trips. It has a ChatML-style chat template, so
+  the chat format works too.
+- ``builtin_records(n, seed)``: ``n`` deterministic Alpaca-style records (instruction / input /
+  output) from small rule-based tasks over word lists (repeat, upper-case, sort, reverse, count,
+  spell numbers, short templated stories). Responses are (mostly) a function of the prompt, so a
+  tiny model's loss falls fast; lengths vary from ~40 to ~400 bytes, so packing has work to do.
+- ``PRESETS``: random-init model shapes by name (``tiny-*`` for CPU runs and tests, ``llama-1b`` for
+  the GPU benchmark: Llama-3.2-1B's shape with the tokenizer's vocabulary).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+SPECIAL_TOKENS = ("<|pad|>", "<|eos|>", "<|im_start|>", "<|im_end|>")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# Shapes shared by all tiny presets: 4 layers, hidden 128, GQA 4/2 heads (head dim 32).
+_TINY = dict(
+    hidden_size=128,
+    intermediate_size=352,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+)
+PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
+    "tiny-llama": ("llama", dict(_TINY)),
+    "tiny-qwen2": ("qwen2", dict(_TINY)),
+    "tiny-qwen3": ("qwen3", dict(_TINY, head_dim=32)),
+    "tiny-mistral": ("mistral", dict(_TINY, sliding_window=256)),
+    # Llama-3.2-1B: hidden 2048, 16 layers, 32/8 heads, MLP 8192, tied embeddings, rope theta 5e5.
+    "llama-1b": (
+        "llama",
+        dict(
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_hidden_layers=16,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            max_position_embeddings=131072,
+            rms_norm_eps=1e-5,
+            rope_theta=500000.0,
+            tie_word_embeddings=True,
+        ),
+    ),
+}
+
+
+def byte_tokenizer():
+    """A ``PreTrainedTokenizerFast`` over raw UTF-8 bytes (ids 0-255) plus ``SPECIAL_TOKENS``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    # ByteLevel maps each byte to one printable symbol; a BPE with no merges keeps one token each.
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    core = Tokenizer(models.BPE(vocab={s: i for i, s in enumerate(alphabet)}, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    core.add_special_tokens(list(SPECIAL_TOKENS))
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        pad_token="<|pad|>",
+        eos_token="<|eos|>",
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=1 << 20,
+    )
+    tok.padding_side = "right"
+    return tok
+
+
+def _words(text: str, sep: str | None = None) -> tuple[str, ...]:
+    return tuple(text.split(sep))
+
+
+_WORDS = _words(
+    "apple river stone cloud maple garden silver window planet forest candle harbor meadow "
+    "rocket pencil castle mirror valley thunder lantern orange violet copper falcon basket "
+    "island marble summer winter shadow"
+)
+_ANIMALS = _words("cat dog fox owl bear horse rabbit tiger whale eagle otter wolf")
+_ADJ = _words("quick lazy bright quiet brave small happy gentle clever curious")
+_VERBS = _words("runs jumps sleeps sings waits reads swims hides dances plays")
+_PLACES = _words(
+    "in the garden|by the river|under the bridge|near the castle|on the hill|in the forest|"
+    "at the harbor|behind the barn",
+    "|",
+)
+_ONES = _words("zero one two three four five six seven eight nine")
+_TEENS = _words("ten eleven twelve thirteen fourteen fifteen sixteen seventeen eighteen nineteen")
+_TENS = _words("_ _ twenty thirty forty fifty sixty seventy eighty ninety")
+
+
+def _spell(n: int) -> str:
+    """0 <= n < 1000 in English words."""
+    if n < 10:
+        return _ONES[n]
+    if n < 20:
+        return _TEENS[n - 10]
+    if n < 100:
+        return _TENS[n // 10] + ("" if n % 10 == 0 else "-" + _ONES[n % 10])
+    rest = n % 100
+    return _ONES[n // 100] + " hundred" + ("" if rest == 0 else " and " + _spell(rest))
+
+
+def _story(rng: random.Random) -> tuple[str, str]:
+    animal = rng.choice(_ANIMALS)
+    n = rng.randint(1, 5)
+    lines = [
+        f"The {rng.choice(_ADJ)} {animal} {rng.choice(_VERBS)} {rng.choice(_PLACES)}."
+        for _ in range(n)
+    ]
+    return f"Write {_spell(n)} sentences about a {animal}.", " ".join(lines)
+
+
+# Every task takes a list of 1-10 items, so lengths overlap across tasks and a token-budget pack
+# mixes tasks instead of grouping one task per pack (which would make the loss jump between packs).
+_TASKS = (
+    ("Repeat the words.", lambda w: " ".join(w)),
+    ("Write the words in upper case.", lambda w: " ".join(x.upper() for x in w)),
+    ("Sort the words alphabetically.", lambda w: " ".join(sorted(w))),
+    ("Reverse the order of the words.", lambda w: " ".join(reversed(w))),
+    ("Write one word per line.", lambda w: "\n".join(w)),
+    ("How many words are in the list?", lambda w: f"There are {_spell(len(w))} words."),
+)
+
+
+def _task(rng: random.Random) -> dict[str, str]:
+    kind = rng.randrange(len(_TASKS) + 2)
+    if kind == len(_TASKS):
+        numbers = [rng.randint(0, 999) for _ in range(rng.randint(1, 6))]
+        return {
+            "instruction": "Spell out the numbers in words.",
+            "input": ", ".join(map(str, numbers)),
+            "output": ", ".join(_spell(n) for n in numbers),
+        }
+    if kind == len(_TASKS) + 1:
+        instruction, output = _story(rng)
+        return {"instruction": instruction, "input": "", "output": output}
+    instruction, answer = _TASKS[kind]
+    words = rng.sample(_WORDS, rng.randint(1, 10))
+    return {"instruction": instruction, "input": " ".join(words), "output": answer(words)}
+
+
+def builtin_records(n: int, seed: int = 0) -> list[dict[str, str]]:
+    """``n`` deterministic instruction records (same ``n`` and ``seed`` -> same records)."""
+    rng = random.Random(f"hf-varlen-builtin-{seed}")
+    return [_task(rng) for _ in range(n)]

@@ -1,0 +1,251 @@
+"""Training configuration: one dataclass, its command-line parser, and the cheap checks.
+
+Every option of ``hf-varlen train`` is a field of :class:`TrainConfig`; the parser is generated from
+the fields (name ``tokens_per_batch`` -> flag ``--tokens-per-batch``, help from ``metadata``), so
+the CLI, ``scripts/train.py`` and the Python API (``train(TrainConfig(...))``) cannot drift apart.
+
+``TrainConfig.validate()`` runs before anything is loaded; checks that need the data, the tokenizer
+or the model (dataset fields, attention support, backend names) run in ``data.py`` / ``model.py``,
+still before the first step. Every error names the option, the value received and a way out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+FORMATS = ("auto", "alpaca", "chat", "text")
+PRECISIONS = ("auto", "fp32", "bf16", "bf16-mixed")
+SCHEDULES = ("cosine", "linear", "constant", "constant_with_warmup")
+OPTIMIZERS = ("adamw", "sgd")
+TOGGLES = ("auto", "on", "off")
+
+
+def _opt(default: Any, help: str, **extra: Any) -> Any:
+    """A dataclass field that carries its CLI help (and argparse extras such as ``choices``)."""
+    return field(default=default, metadata={"help": help, **extra})
+
+
+@dataclass
+class TrainConfig:
+    """All options of a training run. Defaults train the built-in tiny model on built-in data."""
+
+    # What to train.
+    model: str = _opt(
+        "tiny-llama",
+        "hub id, local directory, or a built-in random-init preset "
+        "(tiny-llama, tiny-qwen2, tiny-qwen3, tiny-mistral, llama-1b)",
+    )
+    tokenizer: str | None = _opt(
+        None,
+        "hub id or local directory; default: the model's own, or the built-in byte tokenizer "
+        "for presets ('bytes')",
+    )
+    config_overrides: str | None = _opt(
+        None,
+        "comma-separated key=value model config overrides for presets, e.g. "
+        "'num_hidden_layers=4,hidden_size=256'",
+    )
+    # Data.
+    dataset: str = _opt(
+        "builtin",
+        "'builtin' (deterministic synthetic instructions), a local .json/.jsonl/.parquet "
+        "file, or a hub dataset id (needs `datasets`)",
+    )
+    dataset_config: str | None = _opt(None, "hub dataset configuration name")
+    dataset_split: str = _opt("train", "hub dataset split")
+    format: str = _opt(
+        "auto",
+        "record format: alpaca (instruction/input/output or prompt/completion), chat "
+        "(messages, rendered by the tokenizer's chat template), text; auto: from the fields",
+        choices=FORMATS,
+    )
+    text_field: str = _opt("text", "field holding the text for --format text")
+    messages_field: str = _opt("messages", "field holding the messages for --format chat")
+    completion_only: bool = _opt(
+        True, "instruction formats: loss on the response tokens only (prompt labels = -100)"
+    )
+    max_examples: int | None = _opt(None, "use only the first N examples of the dataset")
+    builtin_examples: int = _opt(2000, "number of examples the built-in dataset generates")
+    max_length: int = _opt(1024, "truncate each example to this many tokens")
+    tokens_per_batch: int = _opt(
+        4096, "token budget of one packed micro-batch per device (>= max_length)"
+    )
+    grad_accum: int = _opt(1, "micro-batches per optimizer step (gradient accumulation)")
+    shuffle: bool = _opt(True, "shuffle the order of the packed micro-batches every epoch")
+    pad_to_multiple_of: int | None = _opt(
+        None, "pad each packed micro-batch to a multiple of this many tokens (a separate segment)"
+    )
+    # Baseline and attention.
+    padded: bool = _opt(
+        False, "padded baseline: same data and order, padded [B, L] batches, attention 'sdpa'"
+    )
+    attn_implementation: str = _opt(
+        "varlen_packed", "transformers attention implementation for packed batches"
+    )
+    attn_backend: str = _opt("auto", "varlen attention backend (hf_varlen.available_backends())")
+    fused_kernels: str = _opt(
+        "auto",
+        "hf_varlen fused kernels (RoPE, GLU, RMSNorm, CE); auto: on when CUDA is used",
+        choices=TOGGLES,
+    )
+    precision: str = _opt(
+        "auto",
+        "fp32; bf16 (bf16 weights and math); bf16-mixed (fp32 weights, bf16 autocast); "
+        "auto: bf16 on a GPU that supports it, else fp32",
+        choices=PRECISIONS,
+    )
+    gradient_checkpointing: bool = _opt(False, "recompute activations in backward")
+    # LoRA.
+    lora: bool = _opt(False, "train LoRA adapters (needs `peft`)")
+    lora_r: int = _opt(16, "LoRA rank")
+    lora_alpha: int = _opt(32, "LoRA alpha")
+    lora_dropout: float = _opt(0.0, "LoRA dropout")
+    lora_target: str = _opt("all-linear", "LoRA target modules (peft syntax, comma-separated)")
+    # Optimisation.
+    optim: str = _opt("adamw", "optimizer", choices=OPTIMIZERS)
+    lr: float | None = _opt(
+        None, "peak learning rate; default: 1e-3 for random-init presets, 2e-4 for LoRA, else 2e-5"
+    )
+    lr_schedule: str = _opt("cosine", "learning-rate schedule", choices=SCHEDULES)
+    warmup_steps: int | None = _opt(None, "warm-up steps; default: 5%% of the run")
+    weight_decay: float = _opt(0.0, "AdamW weight decay")
+    max_grad_norm: float = _opt(1.0, "clip the gradient norm to this (0: no clipping)")
+    max_steps: int | None = _opt(None, "optimizer steps (overrides --epochs)")
+    epochs: float = _opt(1.0, "passes over the training data")
+    seed: int = _opt(0, "seed for initialisation, shuffling and packing")
+    # Evaluation.
+    eval_split: float = _opt(0.0, "fraction of the data held out for the eval loss")
+    eval_dataset: str | None = _opt(None, "separate eval dataset (same format)")
+    eval_every: int = _opt(0, "evaluate every N steps (0: only at the end)")
+    # Output, checkpoints, metrics.
+    output_dir: str = _opt("runs/hf-varlen", "where logs, checkpoints and plots go")
+    save_every: int = _opt(0, "save a resumable checkpoint every N steps (0: never)")
+    save_final: bool = _opt(True, "save the final model (safetensors) and tokenizer")
+    resume: str | None = _opt(
+        None, "checkpoint directory to resume from, or 'latest' (newest under --output-dir)"
+    )
+    log_every: int = _opt(1, "write a metrics line every N steps")
+    plot: bool = _opt(False, "write loss / throughput PNGs (needs matplotlib)")
+    progress: bool = _opt(True, "show a progress bar")
+    peak_tflops: float | None = _opt(
+        None, "accelerator peak TFLOP/s for the MFU estimate (default: known GPUs only)"
+    )
+
+    # ----------------------------------------------------------------------------------------- #
+
+    def validate(self) -> None:
+        """Checks that need nothing but the options. Raises ValueError/ImportError with a hint."""
+        if self.max_length < 2:
+            raise ValueError(
+                f"--max-length: expected >= 2 (one input and one target token), got "
+                f"{self.max_length}"
+            )
+        if self.tokens_per_batch < self.max_length:
+            raise ValueError(
+                f"--tokens-per-batch: expected >= --max-length ({self.max_length}) so that the "
+                f"longest example fits one micro-batch, got {self.tokens_per_batch}; raise "
+                "--tokens-per-batch or lower --max-length"
+            )
+        for name in ("grad_accum", "log_every", "lora_r", "builtin_examples"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{_flag(name)}: expected >= 1, got {getattr(self, name)}")
+        for name in ("max_steps", "max_examples", "pad_to_multiple_of"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--{_flag(name)}: expected >= 1 or unset, got {value}")
+        for name in ("save_every", "eval_every", "max_grad_norm", "weight_decay"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{_flag(name)}: expected >= 0, got {getattr(self, name)}")
+        if self.warmup_steps is not None and self.warmup_steps < 0:
+            raise ValueError(f"--warmup-steps: expected >= 0, got {self.warmup_steps}")
+        if not self.epochs > 0:
+            raise ValueError(f"--epochs: expected > 0, got {self.epochs}")
+        if self.lr is not None and not self.lr >= 0:
+            raise ValueError(f"--lr: expected >= 0, got {self.lr}")
+        if not 0.0 <= self.eval_split < 1.0:
+            raise ValueError(f"--eval-split: expected a fraction in [0, 1), got {self.eval_split}")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise ValueError(f"--lora-dropout: expected a value in [0, 1), got {self.lora_dropout}")
+        for name, choices in (
+            ("format", FORMATS),
+            ("precision", PRECISIONS),
+            ("lr_schedule", SCHEDULES),
+            ("optim", OPTIMIZERS),
+            ("fused_kernels", TOGGLES),
+        ):
+            if getattr(self, name) not in choices:
+                raise ValueError(
+                    f"--{_flag(name)}: expected one of {choices}, got {getattr(self, name)!r}"
+                )
+        if self.lora and importlib.util.find_spec("peft") is None:
+            raise ImportError(
+                "--lora needs the `peft` package, which is not installed; "
+                "`pip install 'hf_varlen[peft]'` or drop --lora"
+            )
+        if self.plot and importlib.util.find_spec("matplotlib") is None:
+            raise ImportError(
+                "--plot needs `matplotlib`, which is not installed; "
+                "`pip install 'hf_varlen[plot]'` or drop --plot"
+            )
+        if self.resume not in (None, "latest") and not os.path.isdir(self.resume):
+            raise ValueError(
+                f"--resume: expected a checkpoint directory or 'latest', got {self.resume!r} "
+                "(no such directory)"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def _parse_optional(kind: type):
+    def parse(text: str):
+        if text.lower() in ("none", ""):
+            return None
+        return kind(text)
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add one flag per TrainConfig field (booleans get ``--x`` / ``--no-x``)."""
+    hints = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
+    for f in dataclasses.fields(TrainConfig):
+        flag = "--" + _flag(f.name)
+        help_text = f.metadata["help"]
+        hint = str(hints[f.name])
+        kwargs: dict[str, Any] = {"dest": f.name, "default": f.default}
+        if "choices" in f.metadata:
+            kwargs["choices"] = f.metadata["choices"]
+        if hint == "bool":
+            parser.add_argument(
+                flag, action=argparse.BooleanOptionalAction, help=help_text, **kwargs
+            )
+            continue
+        base = {"int": int, "float": float}.get(hint.split(" ")[0], str)
+        kwargs["type"] = _parse_optional(base) if "None" in hint else base
+        parser.add_argument(flag, help=f"{help_text} (default: %(default)s)", **kwargs)
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    return TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def parse_args(argv: list[str] | None = None) -> TrainConfig:
+    parser = argparse.ArgumentParser(
+        prog="hf-varlen train",
+        description="Packed, padding-free fine-tuning of a Hugging Face causal LM "
+        "(launch with `accelerate launch` for several processes).",
+    )
+    return config_from_args(add_train_arguments(parser).parse_args(argv))

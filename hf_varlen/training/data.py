@@ -1,0 +1,347 @@
+"""Data: load records, render them in a format, tokenize, mask prompts, and build batches.
+
+Records -> examples. One record becomes ``input_ids`` (n,) and ``labels`` (n,) with
+
+    alpaca:  prompt = "### Instruction:\\n{instruction}\\n\\n[### Input:\\n{input}\\n\\n]### Response:\\n"
+             ids    = tok(prompt) + tok(output) + [eos]        (also accepts prompt / completion)
+    chat:    ids    = tok.apply_chat_template(messages); the tokens of every assistant turn are the
+             difference between the rendering up to that turn and the prompt before it
+    text:    ids    = tok(text) + [eos]
+    labels   = ids where trained, -100 elsewhere (prompt tokens when completion_only)
+
+then truncation to ``max_length``. Examples left with no label token after the first position are
+dropped (counted and logged): they carry no loss and would only cost compute.
+
+Batches. A ``TokenBudgetBatchSampler`` packs the examples once into micro-batches of at most
+``tokens_per_batch`` tokens and deals them to ranks (every rank gets the same number; ``[]`` fills
+the last group). Packed mode collates a micro-batch with ``PackingCollator`` into one ``[1, T]``
+row; the padded baseline collates the *same* examples into a right-padded ``[B, L_max]`` batch, so
+both modes see identical data in identical order. An empty slot becomes a one-token dummy batch
+with no label (a zero-loss forward/backward keeps data-parallel collectives matched).
+
+Shape legend: B examples in a micro-batch, L_max the longest of them, T = sum of their lengths.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from .builtin import builtin_records
+from .config import TrainConfig
+
+logger = logging.getLogger("hf_varlen.train")
+
+IGNORE_INDEX = -100
+_ALPACA_FIELDS = (("instruction", "output"), ("prompt", "completion"))
+
+
+# --------------------------------------------------------------------------------------------- #
+# Loading
+
+
+def load_records(source: str, cfg: TrainConfig) -> list[dict[str, Any]]:
+    """``source``: 'builtin', a local .json/.jsonl/.parquet file (or a directory of them), or a
+    hub dataset id. Returns a list of dict records (at most ``cfg.max_examples``)."""
+    if source == "builtin":
+        records = builtin_records(cfg.builtin_examples, cfg.seed)
+    elif os.path.exists(source):
+        records = _load_local(source)
+    else:
+        records = _load_hub(source, cfg)
+    if not records:
+        raise ValueError(f"--dataset {source!r}: no records found")
+    if cfg.max_examples is not None:
+        records = records[: cfg.max_examples]
+    return records
+
+
+def _load_local(path: str) -> list[dict[str, Any]]:
+    if os.path.isdir(path):
+        files = sorted(
+            os.path.join(path, f)
+            for f in os.listdir(path)
+            if f.endswith((".json", ".jsonl", ".parquet"))
+        )
+        if not files:
+            raise ValueError(f"--dataset {path!r}: directory holds no .json/.jsonl/.parquet file")
+        return [r for f in files for r in _load_local(f)]
+    if path.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    with open(path, encoding="utf-8") as fh:
+        text = fh.read()
+    if not path.endswith(".jsonl"):
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError:
+            data = None  # maybe JSON lines with a .json name
+        if isinstance(data, dict):  # {"train": [...]} or {"data": [...]}
+            lists = [v for v in data.values() if isinstance(v, list)]
+            data = lists[0] if len(lists) == 1 else None
+        if isinstance(data, list):
+            return data
+    try:
+        return [json.loads(line) for line in text.splitlines() if line.strip()]
+    except json.JSONDecodeError as exc:
+        raise ValueError(
+            f"--dataset {path!r}: expected a JSON list of records or JSON lines, got a parse "
+            f"error: {exc}"
+        ) from None
+
+
+def _load_hub(name: str, cfg: TrainConfig) -> list[dict[str, Any]]:
+    try:
+        import datasets
+    except ImportError:
+        raise ImportError(
+            f"--dataset {name!r} is not a local file, so it is read from the Hugging Face Hub, "
+            "which needs `datasets`: `pip install datasets` (or pass a local .json/.jsonl/.parquet)"
+        ) from None
+    ds = datasets.load_dataset(name, cfg.dataset_config, split=cfg.dataset_split)
+    return ds.to_list()
+
+
+def detect_format(records: Sequence[dict[str, Any]], cfg: TrainConfig, source: str) -> str:
+    """The record format to use; checks that every record has the fields it needs."""
+    keys = set(records[0])
+    fmt = cfg.format
+    if fmt == "auto":
+        if cfg.messages_field in keys:
+            fmt = "chat"
+        elif any(set(pair) <= keys for pair in _ALPACA_FIELDS):
+            fmt = "alpaca"
+        elif cfg.text_field in keys:
+            fmt = "text"
+        else:
+            raise ValueError(
+                f"--dataset {source!r}: cannot tell the format from the fields {sorted(keys)}; "
+                f"expected '{cfg.messages_field}' (chat), instruction+output or prompt+completion "
+                f"(alpaca), or '{cfg.text_field}' (text). Pass --format and --text-field / "
+                "--messages-field"
+            )
+    need = {
+        "chat": [(cfg.messages_field,)],
+        "alpaca": list(_ALPACA_FIELDS),
+        "text": [(cfg.text_field,)],
+    }[fmt]
+    for i, rec in enumerate(records):
+        if not isinstance(rec, dict) or not any(all(k in rec for k in opt) for opt in need):
+            got = sorted(rec) if isinstance(rec, dict) else type(rec).__name__
+            want = " or ".join("+".join(opt) for opt in need)
+            raise ValueError(
+                f"--dataset {source!r}: record {i} lacks the fields --format {fmt} needs "
+                f"({want}); it has {got}. Hint: choose --format (alpaca/chat/text) or name the "
+                "field with --text-field / --messages-field"
+            )
+    return fmt
+
+
+# --------------------------------------------------------------------------------------------- #
+# Tokenization
+
+
+@dataclass
+class Examples:
+    """Tokenized examples: ``input_ids[i]`` and ``labels[i]`` int64 arrays of ``lengths[i]``."""
+
+    input_ids: list[np.ndarray]
+    labels: list[np.ndarray]
+    lengths: np.ndarray
+    dropped: int = 0
+    truncated: int = 0
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    def subset(self, idx: Sequence[int]) -> Examples:
+        return Examples(
+            [self.input_ids[i] for i in idx],
+            [self.labels[i] for i in idx],
+            self.lengths[np.asarray(idx, dtype=np.int64)] if len(idx) else np.zeros(0, np.int64),
+        )
+
+    def features(self, idx: Sequence[int]) -> list[dict[str, np.ndarray]]:
+        return [{"input_ids": self.input_ids[i], "labels": self.labels[i]} for i in idx]
+
+
+def _alpaca_prompt(rec: dict[str, Any]) -> tuple[str, str]:
+    if "instruction" in rec:
+        extra = rec.get("input") or ""
+        prompt = f"### Instruction:\n{rec['instruction']}\n\n"
+        if extra:
+            prompt += f"### Input:\n{extra}\n\n"
+        return prompt + "### Response:\n", str(rec.get("output") or "")
+    return str(rec["prompt"]), str(rec["completion"])
+
+
+def _encode(tokenizer, texts: list[str], special: bool) -> list[list[int]]:
+    if not texts:
+        return []
+    return tokenizer(texts, add_special_tokens=special)["input_ids"]
+
+
+def _chat_example(tokenizer, messages: list[dict], completion_only: bool, index: int):
+    """(ids, labels) of one conversation; assistant turns are found by prefix rendering."""
+
+    def render(msgs, gen):
+        out = tokenizer.apply_chat_template(msgs, tokenize=True, add_generation_prompt=gen)
+        return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+
+    ids = render(messages, False)
+    if not completion_only:
+        return ids, list(ids)
+    labels = [IGNORE_INDEX] * len(ids)
+    for turn, msg in enumerate(messages):
+        if msg.get("role") != "assistant":
+            continue
+        prefix, upto = render(messages[:turn], True), render(messages[: turn + 1], False)
+        if ids[: len(prefix)] != prefix or ids[: len(upto)] != upto:
+            raise ValueError(
+                f"record {index}: the tokenizer's chat template does not render conversations "
+                "prefix-stably, so assistant tokens cannot be located; use --no-completion-only "
+                "or a template without per-turn rewriting"
+            )
+        labels[len(prefix) : len(upto)] = ids[len(prefix) : len(upto)]
+    return ids, labels
+
+
+def tokenize(records: Sequence[dict[str, Any]], fmt: str, tokenizer, cfg: TrainConfig) -> Examples:
+    """Render, tokenize, mask and truncate every record (see the module docstring)."""
+    eos = tokenizer.eos_token_id
+    pairs: list[tuple[list[int], list[int]]] = []
+    if fmt == "alpaca":
+        prompts, answers = zip(*(_alpaca_prompt(r) for r in records), strict=True)
+        p_ids = _encode(tokenizer, list(prompts), special=True)
+        a_ids = _encode(tokenizer, list(answers), special=False)
+        for p, a in zip(p_ids, a_ids, strict=True):
+            a = list(a) + ([eos] if eos is not None and (not a or a[-1] != eos) else [])
+            ids = list(p) + a
+            labels = ([IGNORE_INDEX] * len(p) + a) if cfg.completion_only else list(ids)
+            pairs.append((ids, labels))
+    elif fmt == "chat":
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError(
+                "--format chat needs a tokenizer with a chat template; this tokenizer has none. "
+                "Pass --tokenizer with a chat template or use --format alpaca/text"
+            )
+        for i, r in enumerate(records):
+            pairs.append(_chat_example(tokenizer, r[cfg.messages_field], cfg.completion_only, i))
+    else:
+        texts = [str(r[cfg.text_field]) for r in records]
+        for ids in _encode(tokenizer, texts, special=True):
+            ids = list(ids) + ([eos] if eos is not None else [])
+            pairs.append((ids, list(ids)))
+
+    input_ids, labels, dropped, truncated = [], [], 0, 0
+    for ids, lab in pairs:
+        if len(ids) > cfg.max_length:
+            truncated += 1
+            ids, lab = ids[: cfg.max_length], lab[: cfg.max_length]
+        # Position 0 is never a target (nothing precedes it), so it does not count.
+        if len(ids) < 2 or all(x == IGNORE_INDEX for x in lab[1:]):
+            dropped += 1
+            continue
+        input_ids.append(np.asarray(ids, dtype=np.int64))
+        labels.append(np.asarray(lab, dtype=np.int64))
+    if not input_ids:
+        raise ValueError(
+            f"no usable example: all {len(pairs)} have no label token within --max-length "
+            f"{cfg.max_length}; raise --max-length or check --format / --completion-only"
+        )
+    if dropped:
+        logger.warning(
+            "dropped %d of %d examples with no label token after truncation to %d tokens",
+            dropped,
+            len(pairs),
+            cfg.max_length,
+        )
+    lengths = np.fromiter((len(x) for x in input_ids), dtype=np.int64, count=len(input_ids))
+    return Examples(input_ids, labels, lengths, dropped=dropped, truncated=truncated)
+
+
+def split_eval(examples: Examples, fraction: float, seed: int) -> tuple[Examples, Examples | None]:
+    """Deterministic hold-out of ``fraction`` of the examples (at least one when fraction > 0)."""
+    if fraction <= 0:
+        return examples, None
+    perm = np.random.default_rng([seed, 1234]).permutation(len(examples))
+    n_eval = max(1, int(round(fraction * len(examples))))
+    if n_eval >= len(examples):
+        raise ValueError(
+            f"--eval-split {fraction}: leaves no training example out of {len(examples)}"
+        )
+    return examples.subset(np.sort(perm[n_eval:])), examples.subset(np.sort(perm[:n_eval]))
+
+
+# --------------------------------------------------------------------------------------------- #
+# Batches
+
+
+@dataclass
+class MicroBatch:
+    """Model inputs of one micro-batch plus the counts the loop and the metrics need."""
+
+    inputs: dict[str, Any]
+    real_tokens: int  # tokens of real examples
+    tensor_tokens: int  # tokens the input tensor holds (padding and dummies included)
+    label_tokens: int  # targets that count in the loss (shifted labels != -100)
+    attn_sq: int  # sum over documents of L^2 (attention work)
+    dummy: bool = False
+
+
+class Batcher:
+    """Index lists -> ``MicroBatch`` for the packed or the padded mode (same examples either way)."""
+
+    def __init__(self, examples: Examples, cfg: TrainConfig, pad_token_id: int):
+        from ..collator import PackingCollator
+
+        self.examples = examples
+        self.padded = cfg.padded
+        self.pad_token_id = int(pad_token_id)
+        self.collator = PackingCollator(
+            pad_to_multiple_of=cfg.pad_to_multiple_of, pad_token_id=self.pad_token_id
+        )
+        self._plain = PackingCollator(pad_token_id=self.pad_token_id)  # dummies stay 1 token
+
+    def __call__(self, indices: Sequence[int]) -> MicroBatch:
+        if not indices:
+            return self.dummy()
+        feats = self.examples.features(indices)
+        lengths = self.examples.lengths[np.asarray(indices, dtype=np.int64)]
+        real = int(lengths.sum())
+        attn_sq = int((lengths**2).sum())
+        if self.padded:
+            inputs = self._pad(feats)
+            count = int((inputs["labels"][:, 1:] != IGNORE_INDEX).sum())
+        else:
+            inputs = self.collator(feats)
+            count = int((inputs["labels"] != IGNORE_INDEX).sum())
+        return MicroBatch(inputs, real, inputs["input_ids"].numel(), count, attn_sq)
+
+    def _pad(self, feats: list[dict[str, np.ndarray]]) -> dict[str, torch.Tensor]:
+        width = max(len(f["input_ids"]) for f in feats)
+        ids = np.full((len(feats), width), self.pad_token_id, dtype=np.int64)
+        labels = np.full((len(feats), width), IGNORE_INDEX, dtype=np.int64)
+        mask = np.zeros((len(feats), width), dtype=np.int64)
+        for row, f in enumerate(feats):
+            n = len(f["input_ids"])
+            ids[row, :n], labels[row, :n], mask[row, :n] = f["input_ids"], f["labels"], 1
+        return {
+            "input_ids": torch.from_numpy(ids),
+            "attention_mask": torch.from_numpy(mask),
+            "labels": torch.from_numpy(labels),
+        }
+
+    def dummy(self) -> MicroBatch:
+        """One pad token, no label: a forward/backward that adds exactly zero to every gradient."""
+        one = [{"input_ids": np.array([self.pad_token_id]), "labels": np.array([IGNORE_INDEX])}]
+        inputs = self._pad(one) if self.padded else self._plain(one)
+        return MicroBatch(inputs, 0, 1, 0, 0, dummy=True)

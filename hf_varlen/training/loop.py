@@ -1,0 +1,442 @@
+"""The training loop: accelerate, gradient accumulation, exact per-token loss, eval, checkpoints.
+
+Loss. One optimizer step runs ``G`` micro-batches on each of ``R`` ranks. With ``s_{r,g}`` the
+summed token cross-entropy of micro-batch ``g`` on rank ``r`` and ``N = sum_{r,g} n_{r,g}`` its
+label-token count over the whole step (one all-reduce before the first forward), every micro-batch
+back-propagates
+
+    loss_{r,g} = R * s_{r,g} / N
+
+DDP/FSDP average gradients over ranks (the ``1/R`` cancels the ``R``) and accumulation sums over
+micro-batches, so the step's gradient is exactly that of ``sum s / N``: the per-token mean over the
+full global batch, whatever the split into micro-batches, ranks and packs. The model computes
+``s / N`` itself (``num_items_in_batch=N``, so fused cross-entropy kernels still apply); models
+whose forward takes no loss kwargs get the same quantity from their logits. Gradient sync runs only
+on the last micro-batch (``no_sync`` before).
+
+Ranks. ``TokenBudgetBatchSampler`` gives every rank the same number of micro-batches, balanced by
+tokens; an empty slot runs a one-token dummy batch whose loss is multiplied by 0, so every rank
+joins every collective (no hang on uneven data) and adds an exact zero.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import math
+import os
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..packing import TokenBudgetBatchSampler
+from . import checkpoint as ckpt
+from .config import TrainConfig
+from .data import (
+    Batcher,
+    Examples,
+    MicroBatch,
+    detect_format,
+    load_records,
+    split_eval,
+    tokenize,
+)
+from .metrics import RunLogger, environment, format_summary, peak_flops, plot_runs, summarize
+from .model import (
+    apply_kernels,
+    apply_lora,
+    attention_dims,
+    attn_implementation,
+    build_model,
+    check_backend,
+    load_tokenizer,
+    matmul_flops_per_token,
+    pad_id,
+    resolve_precision,
+)
+
+logger = logging.getLogger("hf_varlen.train")
+
+
+def _accepts_loss_kwargs(model) -> bool:
+    params = inspect.signature(model.forward).parameters.values()
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params) or any(
+        p.name == "num_items_in_batch" for p in params
+    )
+
+
+def _step_loss(model, inputs: dict[str, Any], n_items, loss_kwargs: bool, **extra) -> torch.Tensor:
+    """Summed token CE of ``inputs`` divided by ``n_items`` (tensor or int)."""
+    if loss_kwargs:
+        return model(**inputs, num_items_in_batch=n_items, **extra).loss
+    labels = inputs["labels"]
+    logits = model(**{k: v for k, v in inputs.items() if k != "labels"}).logits
+    ce = F.cross_entropy(
+        logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), reduction="sum"
+    )
+    return ce / n_items
+
+
+def _to_device(inputs: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    return {
+        k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+        for k, v in inputs.items()
+    }
+
+
+def _make_optimizer(model, cfg: TrainConfig, lr: float, device: torch.device):
+    params = [p for p in model.parameters() if p.requires_grad]
+    if cfg.optim == "sgd":
+        return torch.optim.SGD(params, lr=lr)
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]  # norms and biases are not decayed
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.999), fused=device.type == "cuda")
+
+
+def _default_lr(cfg: TrainConfig) -> float:
+    from .builtin import PRESETS
+
+    if cfg.lr is not None:
+        return cfg.lr
+    if cfg.lora:
+        return 2e-4
+    return 1e-3 if cfg.model in PRESETS else 2e-5
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "").lower() in ("1", "true", "yes")
+
+
+def _cpu_requested() -> bool:
+    """CPU processes: no CUDA, or ``accelerate launch --cpu``. Refuses the launch that would
+    silently run one process instead of several (see the hint)."""
+    cpu = _flag("ACCELERATE_USE_CPU") or not torch.cuda.is_available()
+    single = not any(
+        os.environ.get(k) for k in ("LOCAL_RANK", "WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE")
+    )
+    if _flag("ACCELERATE_USE_CPU") and os.environ.get("MASTER_ADDR") and single:
+        raise ValueError(
+            "`accelerate launch --cpu --num_processes N` (N > 1) starts only ONE process unless "
+            "it runs under mpirun, so this would not be a multi-process run. Launch CPU "
+            "processes with torchrun instead: `accelerate launch --multi_gpu --num_processes N "
+            "...` or `--config_file scripts/accelerate/cpu_2proc.yaml` (hf_varlen uses gloo "
+            "when there is no GPU)"
+        )
+    return cpu
+
+
+class Trainer:
+    """One run. ``Trainer(cfg).run()`` returns the summary dict (also written to summary.json)."""
+
+    def __init__(self, cfg: TrainConfig):
+        from accelerate import Accelerator
+        from accelerate.utils import set_seed
+
+        cfg.validate()
+        check_backend(cfg)
+        self.cfg = cfg
+        mixed = cfg.precision == "bf16-mixed" or (
+            cfg.precision == "auto" and os.environ.get("ACCELERATE_MIXED_PRECISION") == "bf16"
+        )
+        # Scheduler stepping is ours (one step per optimizer step, not one per process). Without
+        # CUDA, cpu=True makes torchrun-launched processes (LOCAL_RANK set) use gloo.
+        self.acc = Accelerator(
+            mixed_precision="bf16" if mixed else "no",
+            step_scheduler_with_optimizer=False,
+            cpu=_cpu_requested(),
+        )
+        self.device = self.acc.device
+        self.precision = "bf16-mixed" if mixed else resolve_precision(cfg, self.device)
+        set_seed(cfg.seed)
+
+        # Data first: its errors are cheaper than loading a model.
+        self.tokenizer = load_tokenizer(cfg)
+        records = load_records(cfg.dataset, cfg)
+        self.format = detect_format(records, cfg, cfg.dataset)
+        examples = tokenize(records, self.format, self.tokenizer, cfg)
+        self.train_ex, self.eval_ex = split_eval(examples, cfg.eval_split, cfg.seed)
+        if cfg.eval_dataset:
+            eval_records = load_records(cfg.eval_dataset, cfg)
+            fmt = detect_format(eval_records, cfg, cfg.eval_dataset)
+            self.eval_ex = tokenize(eval_records, fmt, self.tokenizer, cfg)
+        self.sampler = self._sampler(self.train_ex, shuffle=True)
+        self.eval_sampler = self._sampler(self.eval_ex, shuffle=False) if self.eval_ex else None
+        self.batcher = Batcher(self.train_ex, cfg, pad_id(self.tokenizer))
+        self.eval_batcher = (
+            Batcher(self.eval_ex, cfg, pad_id(self.tokenizer)) if self.eval_ex else None
+        )
+        per_epoch = math.ceil(len(self.sampler) / cfg.grad_accum)
+        self.total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * per_epoch))
+
+        # Model.
+        model = build_model(cfg, self.tokenizer, self.precision, self.device)
+        self.kernels, fused_ce = apply_kernels(model, cfg, self.device)
+        # The fused CE returns logits-free outputs in training; in eval it needs to be asked.
+        self.eval_kwargs = {"fused_loss": True} if fused_ce else {}
+        if cfg.gradient_checkpointing:
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
+        if cfg.lora:
+            model = apply_lora(model, cfg)
+        self.params = sum(p.numel() for p in model.parameters())
+        self.trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        self.flops_per_token = matmul_flops_per_token(model)
+        self.attn_dims = attention_dims(model)
+        self.loss_kwargs = _accepts_loss_kwargs(model)
+        self.lr = _default_lr(cfg)
+        optimizer = _make_optimizer(model, cfg, self.lr, self.device)
+        self.model, self.optimizer = self.acc.prepare(model, optimizer)
+        warmup = (
+            cfg.warmup_steps if cfg.warmup_steps is not None else round(0.05 * self.total_steps)
+        )
+        from transformers import get_scheduler
+
+        self.scheduler = get_scheduler(
+            cfg.lr_schedule,
+            self.optimizer,
+            num_warmup_steps=warmup,
+            num_training_steps=self.total_steps,
+        )
+        self.state = ckpt.RunState(
+            fingerprint={
+                "seed": cfg.seed,
+                "tokens_per_batch": cfg.tokens_per_batch,
+                "grad_accum": cfg.grad_accum,
+                "processes": self.acc.num_processes,
+                "train_examples": len(self.train_ex),
+                "shuffle": cfg.shuffle,
+            }
+        )
+        self.acc.register_for_checkpointing(self.scheduler, self.state)
+        self._preflight()
+        self.resumed_from = ckpt.resolve_resume(cfg.resume, cfg.output_dir)
+        if self.resumed_from:
+            self.acc.load_state(self.resumed_from)
+            self._log(f"resumed from {self.resumed_from} at step {self.state.step}")
+
+    # ------------------------------------------------------------------------------------------ #
+
+    def _sampler(self, examples: Examples, shuffle: bool) -> TokenBudgetBatchSampler:
+        return TokenBudgetBatchSampler(
+            examples.lengths,
+            self.cfg.tokens_per_batch,
+            shuffle=shuffle and self.cfg.shuffle,
+            seed=self.cfg.seed,
+            num_replicas=self.acc.num_processes,
+            rank=self.acc.process_index,
+        )
+
+    @torch.no_grad()
+    def _preflight(self) -> None:
+        """A one-token forward on every rank: model/attention errors surface before step 1."""
+        self.model.eval()
+        try:
+            inputs = _to_device(self.batcher.dummy().inputs, self.device)
+            _step_loss(self.model, inputs, 1, self.loss_kwargs)
+        except (ValueError, TypeError, RuntimeError, NotImplementedError) as exc:
+            raise ValueError(
+                f"--model {self.cfg.model!r} failed a one-token trial forward with "
+                f"attn_implementation={attn_implementation(self.cfg)!r}: {str(exc).rstrip('.')}. "
+                "Hint: --padded (sdpa baseline), --attn-implementation sdpa, or another "
+                "--attn-backend"
+            ) from exc
+        finally:
+            self.model.train()
+
+    def _log(self, text: str) -> None:
+        if self.acc.is_main_process:
+            logger.info(text)
+
+    def _reduce(self, values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        if self.acc.num_processes > 1:
+            t = self.acc.reduce(t, reduction="sum")
+        return t.tolist()
+
+    def _micro_step(self, mb: MicroBatch, n_items, sync: bool) -> torch.Tensor:
+        inputs = _to_device(mb.inputs, self.device)
+        ctx = contextlib.nullcontext() if sync else self.acc.no_sync(self.model)
+        with ctx:
+            loss = _step_loss(self.model, inputs, n_items, self.loss_kwargs)
+            if mb.dummy:
+                loss = loss * 0.0
+            self.acc.backward(loss * self.acc.num_processes)
+        return loss.detach()
+
+    def train_step(self, group: list[list[int]]) -> dict[str, Any]:
+        """One optimizer step over this rank's micro-batches ``group``; returns global counts."""
+        t0 = time.perf_counter()
+        batches = [self.batcher(idx) for idx in group]
+        local = sum(b.label_tokens for b in batches)
+        if self.acc.num_processes > 1:
+            n_items = self.acc.reduce(torch.tensor(local, device=self.device), reduction="sum")
+        else:
+            n_items = local
+        loss = torch.zeros((), device=self.device)
+        for i, mb in enumerate(batches):
+            loss += self._micro_step(mb, n_items, sync=i == len(batches) - 1)
+        max_norm = self.cfg.max_grad_norm or math.inf
+        grad_norm = self.acc.clip_grad_norm_(self.model.parameters(), max_norm)
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        real = [b for b in batches if not b.dummy]
+        totals = self._reduce(
+            [
+                float(loss),
+                sum(b.real_tokens for b in real),
+                sum(b.tensor_tokens for b in batches),
+                sum(b.label_tokens for b in real),
+                sum(b.attn_sq for b in real),
+                len(real) * self.cfg.tokens_per_batch,
+            ]
+        )
+        gn = float(grad_norm) if grad_norm is not None else math.nan
+        return {
+            "loss": totals[0],
+            "lr": lr,
+            "grad_norm": gn,
+            "real_tokens": int(totals[1]),
+            "tensor_tokens": int(totals[2]),
+            "label_tokens": int(totals[3]),
+            "attn_sq": totals[4],
+            "budget_tokens": int(totals[5]),
+            "micro_batches": len(group),
+            "step_time": time.perf_counter() - t0,
+        }
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, Any] | None:
+        """Per-token loss over the eval set (all ranks, dummies for empty slots)."""
+        if self.eval_sampler is None:
+            return None
+        self.model.eval()
+        ce = torch.zeros((), dtype=torch.float64, device=self.device)
+        count = 0
+        for idx in self.eval_sampler:
+            mb = self.eval_batcher(idx)
+            inputs = _to_device(mb.inputs, self.device)
+            loss = _step_loss(self.model, inputs, 1, self.loss_kwargs, **self.eval_kwargs)
+            if not mb.dummy:
+                ce += loss.double()
+                count += mb.label_tokens
+        self.model.train()
+        total, n = self._reduce([float(ce), count])
+        return {"eval_loss": total / n, "eval_tokens": int(n)}
+
+    def run(self) -> dict[str, Any]:
+        cfg, st = self.cfg, self.state
+        self._log(
+            f"{len(self.train_ex)} train examples ({self.sampler.stats}); {self.total_steps} steps "
+            f"of {cfg.grad_accum} x {self.acc.num_processes} micro-batches; kernels {self.kernels}"
+        )
+        run_log = RunLogger(
+            cfg.output_dir,
+            main=self.acc.is_main_process,
+            total_steps=self.total_steps,
+            start_step=st.step,
+            progress=cfg.progress,
+            flops_per_token=self.flops_per_token,
+            attn_dims=self.attn_dims,
+            peak=peak_flops(self.device, cfg.peak_tflops),
+            world=self.acc.num_processes,
+            device=self.device,
+        )
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.model.train()
+        evals: list[dict[str, Any]] = []
+        t_origin = time.perf_counter() - st.elapsed
+        try:
+            while st.step < self.total_steps:
+                self.sampler.set_epoch(st.epoch)
+                slots = list(self.sampler)
+                while st.micro < len(slots) and st.step < self.total_steps:
+                    group = slots[st.micro : st.micro + cfg.grad_accum]
+                    counts = self.train_step(group)
+                    st.micro += len(group)
+                    st.step += 1
+                    st.tokens += counts["real_tokens"]
+                    st.elapsed = time.perf_counter() - t_origin
+                    record = run_log.step(
+                        step=st.step,
+                        epoch=st.epoch + st.micro / len(slots),
+                        elapsed=st.elapsed,
+                        **counts,
+                    )
+                    if st.step % cfg.log_every == 0 or st.step == self.total_steps:
+                        run_log.write(record)
+                    if cfg.eval_every and st.step % cfg.eval_every == 0:
+                        evals.append(self._eval_record(run_log, st))
+                    if cfg.save_every and st.step % cfg.save_every == 0:
+                        path = ckpt.save_checkpoint(self.acc, cfg.output_dir, st)
+                        run_log.message(f"saved {path}")
+                if st.micro >= len(slots):
+                    st.epoch, st.micro = st.epoch + 1, 0
+            if self.eval_sampler is not None and (not evals or evals[-1]["step"] != st.step):
+                evals.append(self._eval_record(run_log, st))
+            if cfg.save_every and st.step % cfg.save_every != 0:
+                ckpt.save_checkpoint(self.acc, cfg.output_dir, st)
+        finally:
+            run_log.close()
+        if cfg.save_final:
+            ckpt.export_model(
+                self.acc, self.model, self.tokenizer, os.path.join(cfg.output_dir, "final")
+            )
+        return self._finish(run_log, evals)
+
+    def _eval_record(self, run_log: RunLogger, st: ckpt.RunState) -> dict[str, Any]:
+        result = self.evaluate()
+        record = {"step": st.step, "elapsed": st.elapsed, **result}
+        run_log.write(record)
+        run_log.message(f"step {st.step}: eval loss {result['eval_loss']:.4f}")
+        return record
+
+    def _finish(self, run_log: RunLogger, evals: list[dict[str, Any]]) -> dict[str, Any]:
+        cfg = self.cfg
+        data = (
+            f"{cfg.dataset} ({self.format}), {len(self.train_ex)} train / "
+            f"{len(self.eval_ex) if self.eval_ex else 0} eval examples, max_length "
+            f"{cfg.max_length}, {cfg.tokens_per_batch} tokens per micro-batch x {cfg.grad_accum}"
+        )
+        summary = summarize(
+            run_log.records,
+            evals,
+            model=cfg.model,
+            params=self.params,
+            trainable=self.trainable,
+            mode="padded baseline" if cfg.padded else "packed",
+            attention=attn_implementation(cfg)
+            + ("" if cfg.padded else f" (backend {cfg.attn_backend})"),
+            precision=self.precision,
+            kernels=self.kernels,
+            data=data,
+            processes=self.acc.num_processes,
+            device=str(self.device),
+            output_dir=cfg.output_dir,
+            resumed_from=self.resumed_from,
+            env=environment(self.device),
+        )
+        if self.acc.is_main_process:
+            import json
+
+            with open(os.path.join(cfg.output_dir, "summary.json"), "w", encoding="utf-8") as fh:
+                json.dump(summary, fh, indent=2)
+            if cfg.plot:
+                plot_runs([cfg.output_dir], cfg.output_dir)
+            print(format_summary(summary), flush=True)
+        return summary
+
+
+def train(cfg: TrainConfig | None = None) -> dict[str, Any]:
+    """Run training with ``cfg`` (default: the embedded tiny run). Returns the summary."""
+    return Trainer(cfg or TrainConfig()).run()

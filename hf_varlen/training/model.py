@@ -1,0 +1,242 @@
+"""Tokenizer and model construction for training, with the checks that must precede step 1.
+
+- ``load_tokenizer``: the built-in byte tokenizer for presets (or ``--tokenizer bytes``), else
+  ``AutoTokenizer`` (right padding, pad token = eos when the tokenizer has none).
+- ``build_model``: a random-init preset (``builtin.PRESETS`` + ``--config-overrides``, vocabulary
+  rounded up to a multiple of 64) or ``from_pretrained``; attention implementation ``varlen_packed``
+  for packed batches and ``sdpa`` for the padded baseline; ``use_cache=False`` (a cache disables
+  transformers' packed-sequence handling in the baselines and wastes memory in training). A model
+  class that does not dispatch attention through ``AttentionInterface`` is refused for
+  ``varlen_packed`` (the name would be silently ignored).
+- ``apply_kernels``: ``hf_varlen.kernelize`` when present and wanted (guarded import).
+- ``apply_lora``: peft LoRA adapters.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import torch
+
+from .builtin import PRESETS, byte_tokenizer
+from .config import TrainConfig
+
+logger = logging.getLogger("hf_varlen.train")
+
+
+def load_tokenizer(cfg: TrainConfig):
+    name = cfg.tokenizer
+    if name == "bytes" or (name is None and cfg.model in PRESETS):
+        return byte_tokenizer()
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(name or cfg.model)
+    tok.padding_side = "right"
+    if tok.pad_token_id is None:
+        if tok.eos_token_id is None:
+            raise ValueError(
+                f"--tokenizer {name or cfg.model!r} has neither a pad nor an eos token; "
+                "choose a tokenizer with an eos token"
+            )
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def pad_id(tokenizer) -> int:
+    return int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
+
+
+def _parse_overrides(text: str | None) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in (text or "").split(","):
+        if not item.strip():
+            continue
+        if "=" not in item:
+            raise ValueError(f"--config-overrides: expected key=value items, got {item!r}")
+        key, raw = (s.strip() for s in item.split("=", 1))
+        value: Any = raw
+        for cast in (int, float):
+            try:
+                value = cast(raw)
+                break
+            except ValueError:
+                continue
+        if raw.lower() in ("true", "false"):
+            value = raw.lower() == "true"
+        elif raw.lower() in ("none", "null"):
+            value = None
+        out[key] = value
+    return out
+
+
+def resolve_precision(cfg: TrainConfig, device: torch.device) -> str:
+    if cfg.precision != "auto":
+        cuda_bf16 = cfg.precision.startswith("bf16") and device.type == "cuda"
+        if cuda_bf16 and not torch.cuda.is_bf16_supported():
+            raise ValueError(f"--precision {cfg.precision}: this GPU has no bf16 support")
+        return cfg.precision
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return "bf16"
+    return "fp32"
+
+
+def attn_implementation(cfg: TrainConfig) -> str:
+    return "sdpa" if cfg.padded else cfg.attn_implementation
+
+
+def build_model(cfg: TrainConfig, tokenizer, precision: str, device: torch.device | None = None):
+    """The model in the weight dtype of ``precision``, ``use_cache`` off. Presets are initialised
+    directly on ``device`` (a 1B model's random init is slow on the host); loaded models stay on
+    the CPU until ``accelerator.prepare`` moves them."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    attn = attn_implementation(cfg)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    overrides = _parse_overrides(cfg.config_overrides)
+    if cfg.model in PRESETS:
+        model_type, shape = PRESETS[cfg.model]
+        vocab = 64 * math.ceil(len(tokenizer) / 64)
+        special = {
+            "pad_token_id": tokenizer.pad_token_id,
+            "eos_token_id": tokenizer.eos_token_id,
+            "bos_token_id": tokenizer.bos_token_id,
+        }
+        config = AutoConfig.for_model(model_type, **{**shape, "vocab_size": vocab, **special})
+        for key, value in overrides.items():
+            if not hasattr(config, key):
+                raise ValueError(
+                    f"--config-overrides: {key!r} is not a field of {type(config).__name__}"
+                )
+            setattr(config, key, value)
+        config.use_cache = False
+        with torch.device(device or "cpu"):
+            model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype)
+    else:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                cfg.model, attn_implementation=attn, dtype=dtype, **overrides
+            )
+        except ValueError as exc:
+            if "attn_implementation" in str(exc):
+                raise ValueError(
+                    f"--model {cfg.model!r} rejected attn_implementation={attn!r}: {exc}. Hint: "
+                    "use --padded (sdpa baseline) or --attn-implementation sdpa/eager"
+                ) from exc
+            raise
+        model.config.use_cache = False
+        if len(tokenizer) > model.get_input_embeddings().num_embeddings:
+            raise ValueError(
+                f"--tokenizer has {len(tokenizer)} tokens but --model {cfg.model!r} embeds only "
+                f"{model.get_input_embeddings().num_embeddings}; use the model's own tokenizer"
+            )
+    check_attention(model, attn, cfg.model)
+    return model
+
+
+def check_attention(model, attn: str, name: str) -> None:
+    """Refuse a model whose attention layers would silently ignore ``attn``."""
+    if attn in ("eager", "sdpa"):
+        return
+    cls = type(model)
+    if not cls.is_backend_compatible():
+        raise ValueError(
+            f"--model {name!r} ({cls.__name__}) does not dispatch attention through transformers' "
+            f"AttentionInterface, so attn_implementation={attn!r} cannot take effect. Hint: train "
+            "it with --padded (sdpa baseline) or --attn-implementation sdpa"
+        )
+    got = getattr(model.config, "_attn_implementation", None)
+    if got != attn:
+        raise ValueError(
+            f"--model {name!r} ended up with attn_implementation={got!r} instead of {attn!r}; "
+            "it may not support custom attention functions. Hint: --padded or "
+            "--attn-implementation sdpa"
+        )
+
+
+def check_backend(cfg: TrainConfig) -> None:
+    """Validate ``--attn-backend`` and make it the process default (before any model is built)."""
+    if cfg.padded or cfg.attn_implementation != "varlen_packed":
+        return
+    import hf_varlen
+
+    try:
+        hf_varlen.set_backend(cfg.attn_backend)
+    except (ValueError, RuntimeError) as exc:
+        raise ValueError(
+            f"--attn-backend {cfg.attn_backend!r}: {exc}. Available here: "
+            f"{hf_varlen.available_backends()} (or 'auto')"
+        ) from None
+
+
+def _kernelize_fn():
+    try:
+        from hf_varlen import kernelize
+    except ImportError:
+        try:
+            from hf_varlen.integrations.kernels_hub import kernelize
+        except ImportError:
+            return None
+    return kernelize
+
+
+def apply_kernels(model, cfg: TrainConfig, device: torch.device) -> tuple[str, bool]:
+    """Fused kernels via ``hf_varlen.kernelize`` when wanted and present.
+
+    Returns (what happened, whether the fused cross-entropy loss was installed). Called on the CPU
+    model before ``accelerator.prepare`` moves it, so the target device is passed explicitly.
+    """
+    wanted = cfg.fused_kernels == "on" or (cfg.fused_kernels == "auto" and device.type == "cuda")
+    if not wanted:
+        reason = "--fused-kernels off" if cfg.fused_kernels == "off" else "auto: no CUDA device"
+        return f"off ({reason})", False
+    kernelize = _kernelize_fn()
+    if kernelize is None:
+        msg = "unavailable (hf_varlen.kernelize is not in this build)"
+        if cfg.fused_kernels == "on":
+            logger.warning("--fused-kernels on: %s; training with unfused modules", msg)
+        return msg, False
+    report = kernelize(model, device=device.type)
+    counts = getattr(report, "counts", {})
+    return str(report), bool(counts.get("cross_entropy"))
+
+
+def apply_lora(model, cfg: TrainConfig):
+    from peft import LoraConfig, get_peft_model
+
+    targets = cfg.lora_target
+    lora = LoraConfig(
+        r=cfg.lora_r,
+        lora_alpha=cfg.lora_alpha,
+        lora_dropout=cfg.lora_dropout,
+        target_modules=targets if targets == "all-linear" else targets.split(","),
+        task_type="CAUSAL_LM",
+    )
+    model = get_peft_model(model, lora)
+    if cfg.gradient_checkpointing:
+        model.enable_input_require_grads()  # checkpointed blocks need a grad-requiring input
+    return model
+
+
+def matmul_flops_per_token(model) -> float:
+    """Training FLOPs per token of the linear layers: 2 (forward) + 2 (input grad) per weight,
+    + 2 more (weight grad) when it is trained. Embedding lookups cost no FLOPs."""
+    total = 0.0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            w = module.weight
+            total += w.numel() * (6.0 if w.requires_grad else 4.0)
+    return total
+
+
+def attention_dims(model) -> tuple[int, int]:
+    """(layers, heads * head_dim of the queries) for the attention FLOP estimate."""
+    config = model.config
+    config = getattr(config, "text_config", config)
+    layers = int(getattr(config, "num_hidden_layers", 0) or 0)
+    heads = int(getattr(config, "num_attention_heads", 0) or 0)
+    head_dim = getattr(config, "head_dim", None) or (
+        int(getattr(config, "hidden_size", 0) or 0) // max(heads, 1)
+    )
+    return layers, heads * int(head_dim)

@@ -1,0 +1,122 @@
+"""Two CPU processes (gloo) train exactly like one: `accelerate launch` on the real CLI.
+
+The data is built so that ranks get different token counts (and so different label counts) at
+every step, and an odd number of packs leaves rank 1 an empty slot in the last step of each epoch
+(a dummy zero-loss micro-batch) and in the eval pass. With shuffling off, two processes with
+gradient accumulation 1 see at step s exactly the packs one process sees with accumulation 2 (the
+sampler deals consecutive packs of its fixed order to the ranks), so the per-token loss, the
+gradient norm, the eval loss and, with SGD, the weights (w_T = w_0 - lr * sum of gradients) must
+agree.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hf_varlen.packing import TokenBudgetBatchSampler
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+BUDGET = 512
+# Byte tokenizer, text format: a text of n - 1 characters is n tokens (with eos).
+TRAIN_LENGTHS = [500, 450, 400, 300, 250, 90, 80, 40]
+EVAL_LENGTHS = [480, 300, 250, 100]
+
+
+def _texts(lengths):
+    return [
+        {"text": ("the quick brown fox jumps over the lazy dog " * 12)[: n - 1]} for n in lengths
+    ]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(tmp_path: Path, name: str, processes: int, grad_accum: int) -> Path:
+    out = tmp_path / name
+    flags = (
+        f"--tokens-per-batch {BUDGET} --max-length {BUDGET} --grad-accum {grad_accum} "
+        "--max-steps 5 --no-shuffle --optim sgd --lr 0.05 --lr-schedule constant "
+        "--max-grad-norm 0 --eval-every 2 --no-progress"
+    ).split()
+    data = [
+        "--dataset",
+        str(tmp_path / "train.json"),
+        "--eval-dataset",
+        str(tmp_path / "eval.json"),
+    ]
+    train = ["train", *flags, *data, "--output-dir", str(out)]
+    if processes == 1:
+        cmd = [sys.executable, "-m", "hf_varlen.cli", *train]
+    else:
+        config = ROOT / "scripts" / "accelerate" / "cpu_2proc.yaml"
+        launch = f"--config_file {config} --num_processes {processes} --main_process_port"
+        cmd = [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            *launch.split(),
+            str(_free_port()),
+            "-m",
+            "hf_varlen.cli",
+            *train,
+        ]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert f"on {processes} x cpu" in proc.stdout, proc.stdout[-2000:]
+    return out
+
+
+def _log(run: Path):
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in recs if "loss" in r], [r for r in recs if "eval_loss" in r]
+
+
+def test_data_is_uneven_across_ranks():
+    steps = TokenBudgetBatchSampler(TRAIN_LENGTHS, BUDGET, shuffle=False, num_replicas=2)
+    tokens = [
+        [sum(TRAIN_LENGTHS[i] for i in steps.batches[b]) if b >= 0 else 0 for b in row]
+        for row in steps.step_batches().tolist()
+    ]
+    assert all(a != b for a, b in tokens), tokens  # unequal tokens per rank at every step
+    assert tokens[-1][1] == 0  # rank 1 runs a dummy step
+    ev = TokenBudgetBatchSampler(EVAL_LENGTHS, BUDGET, shuffle=False, num_replicas=2)
+    assert (ev.step_batches() < 0).any()
+
+
+def test_two_processes_equal_one(tmp_path):
+    (tmp_path / "train.json").write_text(json.dumps(_texts(TRAIN_LENGTHS)))
+    (tmp_path / "eval.json").write_text(json.dumps(_texts(EVAL_LENGTHS)))
+    one = _run(tmp_path, "one", processes=1, grad_accum=2)
+    two = _run(tmp_path, "two", processes=2, grad_accum=1)
+
+    (steps1, evals1), (steps2, evals2) = _log(one), _log(two)
+    assert [r["step"] for r in steps1] == [r["step"] for r in steps2] == [1, 2, 3, 4, 5]
+    for a, b in zip(steps1, steps2, strict=True):
+        assert a["real_tokens"] == b["real_tokens"] and a["label_tokens"] == b["label_tokens"]
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-6), (a, b)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5), (a, b)
+    assert [r["step"] for r in evals1] == [r["step"] for r in evals2] == [2, 4, 5]
+    for a, b in zip(evals1, evals2, strict=True):
+        assert a["eval_tokens"] == b["eval_tokens"]
+        assert b["eval_loss"] == pytest.approx(a["eval_loss"], rel=1e-6)
+
+    w1 = load_file(one / "final" / "model.safetensors")
+    w2 = load_file(two / "final" / "model.safetensors")
+    assert w1.keys() == w2.keys()
+    for k in w1:
+        torch.testing.assert_close(w2[k], w1[k], rtol=1e-5, atol=1e-7)

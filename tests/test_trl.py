@@ -1,0 +1,92 @@
+"""TRL 1.16 SFTTrainer with attn_implementation="varlen_packed" (examples/trl_sft.py).
+
+One optimizer step over the same alpaca examples (lr 0, so the model is the same in every run) in
+each mode: padding-free with TRL's cu_seq_lens kwargs, padding-free with position_ids only (the
+TRL <= 1.15 input), bfd packing, and the unpacked padded reference with sdpa. The per-token loss and
+the gradient norm must agree, and a spy on the attention function checks that the packed modes
+really reached varlen_packed with one document per example.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+pytest.importorskip("datasets")
+
+from transformers import AutoTokenizer  # noqa: E402
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: E402
+
+import hf_varlen  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+N_EXAMPLES = 6
+
+
+def _example_module():
+    spec = importlib.util.spec_from_file_location("trl_sft", ROOT / "examples" / "trl_sft.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def setup(shared_data):
+    tok_dir = shared_data("tokenizers", "qwen2")
+    alpaca = shared_data("alpaca", "alpaca_5000.json")
+    ex = _example_module()
+    tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+    data = ex.alpaca_dataset(str(alpaca), 64)
+    # The shortest responses keep TRL's (tokens x 151k vocab) head cheap on CPU.
+    order = sorted(range(len(data)), key=lambda i: len(data[i]["prompt"] + data[i]["completion"]))
+    return ex, tokenizer, data.select(order[:N_EXAMPLES])
+
+
+def _one_step(setup, mode, tmp_path, monkeypatch):
+    ex, tokenizer, data = setup
+    seen: list[dict] = []
+    inner = ALL_ATTENTION_FUNCTIONS[hf_varlen.ATTN_IMPLEMENTATION]
+
+    def spy(module, q, k, v, mask, **kwargs):
+        seen.append({"cu": kwargs.get("cu_seq_lens_q"), "pos": kwargs.get("position_ids")})
+        return inner(module, q, k, v, mask, **kwargs)
+
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, hf_varlen.ATTN_IMPLEMENTATION, spy)
+    model = ex.load_model("tiny-llama", tokenizer, mode, seed=0)
+    trainer = ex.make_trainer(
+        model,
+        tokenizer,
+        data,
+        mode,
+        str(tmp_path / mode),
+        per_device_train_batch_size=N_EXAMPLES,
+        max_steps=1,
+        learning_rate=0.0,
+        seed=0,
+    )
+    trainer.train()
+    log = next(h for h in trainer.state.log_history if "loss" in h)
+    return float(log["loss"]), float(log["grad_norm"]), seen
+
+
+@pytest.mark.slow
+def test_trl_packed_modes_match_unpacked(setup, tmp_path, monkeypatch):
+    ref_loss, ref_norm, ref_seen = _one_step(setup, "padded", tmp_path, monkeypatch)
+    assert not ref_seen  # the reference runs sdpa, not varlen_packed
+    for mode in ("padding_free", "position_ids", "bfd"):
+        loss, norm, seen = _one_step(setup, mode, tmp_path, monkeypatch)
+        assert seen, f"{mode}: varlen_packed was never called"
+        call = seen[0]
+        if mode == "position_ids":
+            assert call["cu"] is None and call["pos"] is not None
+            starts = int((call["pos"][0] == 0).sum())
+            assert starts == N_EXAMPLES, f"{mode}: {starts} documents in the packed row"
+        else:
+            assert call["cu"] is not None and call["cu"].dtype == torch.int32
+            assert call["cu"].numel() - 1 == N_EXAMPLES, f"{mode}: cu_seq_lens {call['cu']}"
+        assert loss == pytest.approx(ref_loss, rel=1e-5), f"{mode}: loss {loss} vs {ref_loss}"
+        assert norm == pytest.approx(ref_norm, rel=1e-4), f"{mode}: grad norm {norm} vs {ref_norm}"
