@@ -54,17 +54,18 @@ import torch
 import triton
 import triton.language as tl
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+from ._triton_common import INT32_LIMIT
+from ._triton_common import INTERPRET as _INTERPRET
+from ._triton_common import round_to as _round
+
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _REDUCTIONS = ("sum", "mean", "none")
 _BACKENDS = ("auto", "triton", "torch")
-_INT32_LIMIT = 2**31 - 1
+_INT32_LIMIT = INT32_LIMIT
 # Logits-buffer budget per chunk: large enough that cuBLAS runs at full speed (C >= 2K rows), small
 # next to what HF materialises (V x N x 10 bytes and more).
 _CHUNK_BYTES = {"cuda": 1 << 30}
 _CHUNK_BYTES_DEFAULT = 1 << 26
-# The interpreter truncates fp32 -> bf16 casts; GPUs round to nearest even. Emulate the GPU there.
-_RTNE_BF16_BY_HAND = tl.constexpr(_INTERPRET)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -82,16 +83,6 @@ def _tanh(u):
     small = a * (1.0 + a2 * (-1.0 / 3.0 + a2 * (2.0 / 15.0 + a2 * (-17.0 / 315.0))))
     t = tl.where(a < 0.125, small, big)
     return tl.where(u < 0.0, -t, t)
-
-
-@triton.jit
-def _round(x, dtype: tl.constexpr):
-    """Cast fp32 x to dtype, rounding to nearest even (what the cast does on a GPU)."""
-    if _RTNE_BF16_BY_HAND and dtype == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
-        x = bits.to(tl.float32, bitcast=True)
-    return x.to(dtype)
 
 
 @triton.jit

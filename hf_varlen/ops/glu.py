@@ -31,38 +31,27 @@ programs stream consecutive memory. Offsets are int32 unless some tensor's last 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+from ._triton_common import INT32_LIMIT
+from ._triton_common import INTERPRET as _INTERPRET
+from ._triton_common import round_to as _round
+
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
-_INT32_LIMIT = 2**31 - 1
+_INT32_LIMIT = INT32_LIMIT
 
 _SQRT1_2 = tl.constexpr(0.7071067811865476)  # 1 / sqrt(2)
 _INV_SQRT_2PI = tl.constexpr(0.3989422804014327)  # 1 / sqrt(2 pi)
 _SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)  # sqrt(2 / pi)
 _GELU_CUBIC = tl.constexpr(0.044715)
-# The interpreter truncates fp32 -> bf16 casts; GPUs round to nearest even. Emulate the GPU there.
-_RTNE_BF16_BY_HAND = tl.constexpr(_INTERPRET)
 
 
 # ----------------------------------------------------------------------------------------------
 # Kernels
 # ----------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _round(x, dtype: tl.constexpr):
-    """Cast fp32 x to dtype, rounding to nearest even (what a cast does on the GPU)."""
-    if _RTNE_BF16_BY_HAND and dtype == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
-        x = bits.to(tl.float32, bitcast=True)
-    return x.to(dtype)
 
 
 @triton.jit

@@ -22,34 +22,23 @@ Offsets are int32 unless a row offset can pass 2^31 (``LONG_INDEXING``, decided 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+from ._triton_common import INT32_LIMIT
+from ._triton_common import INTERPRET as _INTERPRET
+from ._triton_common import round_to as _round
+
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_INT32_LIMIT = 2**31 - 1
+_INT32_LIMIT = INT32_LIMIT
 _MAX_HIDDEN = 65536  # one row lives in registers
 _MAX_PREFETCH_BLOCK = 8192  # wider rows cannot double-buffer in registers without spilling
-# The interpreter truncates fp32 -> bf16 casts; GPUs round to nearest even. Emulate the GPU there.
-_RTNE_BF16_BY_HAND = tl.constexpr(_INTERPRET)
 
 
 # ----------------------------------------------------------------------------------------------
 # Kernels
 # ----------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _round(x, dtype: tl.constexpr):
-    """Cast fp32 x to dtype, rounding to nearest even (what a cast does on the GPU)."""
-    if _RTNE_BF16_BY_HAND and dtype == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
-        x = bits.to(tl.float32, bitcast=True)
-    return x.to(dtype)
 
 
 @triton.jit

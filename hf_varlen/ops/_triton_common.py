@@ -1,0 +1,29 @@
+"""Small pieces shared by the Triton kernels in hf_varlen/ops (torch + triton only).
+
+``INTERPRET``: kernels run under the numpy interpreter (TRITON_INTERPRET=1, read at import).
+``round_to``: cast fp32 to a storage dtype, rounding to nearest even as a GPU cast does. Triton 3.9's
+interpreter truncates fp32 -> bf16 instead; only there is the rounding done by hand, so CPU tests
+check the GPU's rounding. On a GPU the branch is compiled out.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+INT32_LIMIT = 2**31 - 1
+
+_RTNE_BF16_BY_HAND = tl.constexpr(INTERPRET)
+
+
+@triton.jit
+def round_to(x, dtype: tl.constexpr):
+    """Cast fp32 x to dtype, rounding to nearest even (what a cast does on the GPU)."""
+    if _RTNE_BF16_BY_HAND and dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(dtype)
