@@ -24,79 +24,21 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
+import torch._functorch.config as functorch_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from attention_cases import cases, make_lengths  # noqa: E402
+from bench_common import run_header as header  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-LENGTHS_DIR = HERE / "data"
 PROVIDERS = ["triton", "torch", "flex", "fa4", "flash_attn", "sdpa_padded"]
 HEADS = {"32/8/128": (32, 8, 128), "16/16/64": (16, 16, 64), "40/8/128": (40, 8, 128)}
 HBM_BYTES_PER_S = 4.3e12
-
-
-# ---- document lengths -----------------------------------------------------------------------------
-
-
-def alpaca_text(ex: dict) -> str:
-    """The alpaca prompt format of ../shared/data/README.md (no preamble, no special tokens)."""
-    if ex.get("input"):
-        return (
-            f"### Instruction:\n{ex['instruction']}\n\n### Input:\n{ex['input']}\n\n"
-            f"### Response:\n{ex['output']}"
-        )
-    return f"### Instruction:\n{ex['instruction']}\n\n### Response:\n{ex['output']}"
-
-
-def make_lengths(shared_data: Path) -> None:
-    """Tokenize alpaca_5000 and lima with the Qwen2 tokenizer; write scripts/data/lengths_*.json."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(shared_data / "tokenizers" / "qwen2"))
-    LENGTHS_DIR.mkdir(exist_ok=True)
-    for name, rel in (("alpaca", "alpaca/alpaca_5000.json"), ("lima", "lima/lima.json")):
-        data = json.loads((shared_data / rel).read_text(encoding="utf-8"))
-        texts = [alpaca_text(ex) for ex in data]
-        lengths = [len(ids) for ids in tok(texts, add_special_tokens=False)["input_ids"]]
-        (LENGTHS_DIR / f"lengths_{name}.json").write_text(json.dumps(lengths) + "\n")
-        s = sorted(lengths)
-        print(f"{name}: {len(s)} docs, median {s[len(s) // 2]}, max {s[-1]}, total {sum(s)}")
-
-
-def load_lengths(name: str) -> list[int]:
-    path = LENGTHS_DIR / f"lengths_{name}.json"
-    if not path.exists():
-        raise SystemExit(f"{path} is missing: run with --make-lengths --shared-data <path> first")
-    return json.loads(path.read_text())
-
-
-def pack(lengths: list[int], total: int) -> list[int]:
-    """Documents in dataset order until ``total`` tokens; the last one is cut to fit exactly."""
-    out, used = [], 0
-    for n in lengths:
-        n = min(n, total - used)
-        out.append(n)
-        used += n
-        if used == total:
-            return out
-    raise ValueError(f"not enough documents for {total} tokens")
-
-
-def cases() -> dict[str, list[int]]:
-    alpaca, lima = load_lengths("alpaca"), load_lengths("lima")
-    return {
-        "alpaca16k": pack(alpaca, 16384),
-        "alpaca64k": pack(alpaca, 65536),
-        "lima64k": pack(lima, 65536),
-        "128+128+4096": [128, 128, 4096],
-        "32k+alpaca32k": [32768] + pack(alpaca, 32768),
-        "8x8k": [8192] * 8,
-    }
 
 
 # ---- providers ------------------------------------------------------------------------------------
@@ -178,6 +120,9 @@ def time_provider(fn, q, k, v, grad):
     """(fwd, bwd, fwd+bwd) medians in ms; q, k, v require grad."""
     leaves = [q, k, v]
     fwd = bench_ms(lambda: fn(q, k, v))
+    # Compiled FlexAttention donates saved buffers to its backward, which then refuses the repeated
+    # backward(retain_graph=True) this timing needs; donation saves memory, not time, so turn it off.
+    functorch_config.donated_buffer = False
     graph = [fn(q, k, v)]
     bwd = bench_ms(lambda: graph[0].backward(grad, retain_graph=True), grad_to_none=leaves)
     graph.clear()  # frees the saved activations before the next measurement
@@ -503,33 +448,6 @@ def breakdown(all_cases, names, heads, dtype):
 
 
 # ---- main -----------------------------------------------------------------------------------------
-
-
-def header() -> dict:
-    import transformers
-    import triton
-
-    try:
-        commit = (
-            subprocess.run(
-                ["git", "rev-parse", "--short", "HEAD"],
-                capture_output=True,
-                text=True,
-                cwd=HERE,
-                check=True,
-            ).stdout.strip()
-            or "uncommitted"
-        )
-    except (subprocess.CalledProcessError, FileNotFoundError):
-        commit = "uncommitted"
-    return {
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "transformers": transformers.__version__,
-        "commit": commit,
-        "date": time.strftime("%Y-%m-%d %H:%M"),
-    }
 
 
 def run_case(case, lengths, heads, providers, device, dtype, check):

@@ -20,12 +20,9 @@ reported as OOM. Results stream into the --json file after every shape.
 from __future__ import annotations
 
 import argparse
-import datetime
-import importlib.metadata
 import json
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -34,6 +31,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_common import run_header  # noqa: E402
 
 from hf_varlen.ops import cross_entropy as ce  # noqa: E402
 
@@ -112,32 +111,13 @@ def _measure(fn, hidden, weight, labels, n_items, reps: int, warmup: int) -> dic
 
 
 def _header() -> dict:
-    def version(dist):
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            return "not installed"
-
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = "uncommitted"
     dev = torch.device("cuda")
-    return {
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": version("triton"),
-        "transformers": version("transformers"),
-        "liger_kernel": version("liger-kernel"),
-        "commit": commit or "uncommitted",
-        "python": platform.python_version(),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "dw_accumulate": "cuBLAS addmm out_dtype=fp32"
+    return run_header(
+        python=platform.python_version(),
+        dw_accumulate="cuBLAS addmm out_dtype=fp32"
         if ce._addmm_out_dtype_ok(dev, torch.bfloat16)
         else "bf16 product + fp32 add",
-    }
+    )
 
 
 def _table(rows: list[dict]) -> str:

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import subprocess
 import sys
 from pathlib import Path
 
@@ -27,65 +25,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_common import PEAK_BYTES_PER_S, run_header, time_ms  # noqa: E402
+
 from hf_varlen.ops import rmsnorm  # noqa: E402
 from hf_varlen.reference.rmsnorm import rms_norm_reference  # noqa: E402
 from hf_varlen.testing import numerics_error  # noqa: E402
 
-PEAK_BYTES_PER_S = 4.3e12  # H200 device-to-device copy, measured (ANCHORS.md)
+header = run_header
+
 EPS = 1e-6
 UNIT_OFFSET = {"llama": False, "gemma": True}
-
-
-def header() -> dict:
-    import transformers
-    import triton
-
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (subprocess.CalledProcessError, FileNotFoundError):
-        commit = "uncommitted"
-    try:
-        import importlib.metadata as md
-
-        liger = md.version("liger-kernel")
-    except Exception:
-        liger = "not installed"
-    return {
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "transformers": transformers.__version__,
-        "liger_kernel": liger,
-        "commit": commit or "uncommitted",
-    }
-
-
-def time_ms(fn, *, min_runs: int = 10, min_total_ms: float = 60.0) -> float:
-    """Median GPU time of fn() over >= min_runs runs after warm-up, L2 flushed before each."""
-    flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(3):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    n_runs = max(min_runs, math.ceil(min_total_ms / max(start.elapsed_time(end) / 3, 1e-3)))
-    times = []
-    for _ in range(n_runs):
-        flush.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2]
 
 
 def providers(style: str, weight: torch.Tensor) -> dict:

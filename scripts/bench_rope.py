@@ -12,45 +12,21 @@ cos, sin and write q, k (same count for every provider, so GB/s is comparable ac
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
-import triton
 from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_common import run_header as header  # noqa: E402
+
 from hf_varlen.ops import rope as rope_ops  # noqa: E402
 from hf_varlen.ops.rope import apply_rotary_qk, rotary_pos_emb  # noqa: E402
 
 HQ, HKV, HEAD_DIM = 32, 8, 128
 DTYPE = torch.bfloat16
-
-
-def header() -> dict:
-    def version(name):
-        try:
-            return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            return "not installed"
-
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except Exception:
-        commit = "uncommitted"
-    return {
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "transformers": version("transformers"),
-        "liger_kernel": version("liger-kernel"),
-        "commit": commit or "uncommitted",
-    }
 
 
 def packed_inputs(seqlen: int):

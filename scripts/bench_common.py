@@ -1,0 +1,74 @@
+"""What every benchmark script shares: the run header and a CUDA-event timer.
+
+Imported by the scripts in this folder (``python scripts/bench_x.py`` puts the folder on sys.path).
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import math
+import subprocess
+from pathlib import Path
+
+import torch
+
+PEAK_BYTES_PER_S = 4.3e12  # H200 device-to-device copy, measured (ANCHORS.md)
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def run_header(**extra) -> dict:
+    """GPU, torch, triton, transformers, liger-kernel versions, git commit ("uncommitted" when the
+    tree has no commits, as on the GPU machine's copy), UTC date, plus ``extra`` fields."""
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=Path(__file__).resolve().parent,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = ""
+    return {
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        "triton": _version("triton"),
+        "transformers": _version("transformers"),
+        "liger_kernel": _version("liger-kernel"),
+        "commit": commit or "uncommitted",
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        **extra,
+    }
+
+
+def time_ms(fn, *, min_runs: int = 10, min_total_ms: float = 60.0) -> float:
+    """Median GPU time of fn() over >= min_runs runs after warm-up, L2 flushed before each."""
+    flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(3):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    n_runs = max(min_runs, math.ceil(min_total_ms / max(start.elapsed_time(end) / 3, 1e-3)))
+    times = []
+    for _ in range(n_runs):
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2]
