@@ -11,6 +11,7 @@ Each derived result is cached on the identity of its source tensor, so all layer
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -112,8 +113,12 @@ def from_padding_mask(attention_mask: torch.Tensor, q_len: int) -> VarlenMetadat
     return _MASK_CACHE.put(attention_mask, meta, extra=q_len)
 
 
-def from_rows(batch: int, q_len: int, kv_len: int, device) -> VarlenMetadata:
-    """Each of ``batch`` rows is one sequence (bottom-right aligned when q_len < kv_len)."""
+@functools.lru_cache(maxsize=16)
+def from_rows(batch: int, q_len: int, kv_len: int, device: torch.device) -> VarlenMetadata:
+    """Each of ``batch`` rows is one sequence (bottom-right aligned when q_len < kv_len).
+
+    Cached: every layer of a forward pass asks for the same shapes, so the offsets are built once.
+    """
     cu_q = torch.arange(0, (batch + 1) * q_len, q_len, dtype=torch.int32, device=device)
     cu_k = (
         cu_q

@@ -28,7 +28,7 @@ _GPU_SKIPPED: list[str] = []
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
-    reason = "NO CUDA GPU: GPU test not run here; run `pytest -m gpu tests/` on the GPU machine (see docs/GPU.md)"
+    reason = "NO CUDA GPU: GPU test not run here; run `pytest -m gpu tests/` on a CUDA machine (README: GPU tests and benchmarks)"
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(pytest.mark.skip(reason=reason))

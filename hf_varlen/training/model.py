@@ -170,19 +170,8 @@ def check_backend(cfg: TrainConfig) -> None:
         ) from None
 
 
-def _kernelize_fn():
-    try:
-        from hf_varlen import kernelize
-    except ImportError:
-        try:
-            from hf_varlen.integrations.kernels_hub import kernelize
-        except ImportError:
-            return None
-    return kernelize
-
-
 def apply_kernels(model, cfg: TrainConfig, device: torch.device) -> tuple[str, bool]:
-    """Fused kernels via ``hf_varlen.kernelize`` when wanted and present.
+    """Fused kernels via ``hf_varlen.kernelize`` when wanted.
 
     Returns (what happened, whether the fused cross-entropy loss was installed). Called on the CPU
     model before ``accelerator.prepare`` moves it, so the target device is passed explicitly.
@@ -191,12 +180,8 @@ def apply_kernels(model, cfg: TrainConfig, device: torch.device) -> tuple[str, b
     if not wanted:
         reason = "--fused-kernels off" if cfg.fused_kernels == "off" else "auto: no CUDA device"
         return f"off ({reason})", False
-    kernelize = _kernelize_fn()
-    if kernelize is None:
-        msg = "unavailable (hf_varlen.kernelize is not in this build)"
-        if cfg.fused_kernels == "on":
-            logger.warning("--fused-kernels on: %s; training with unfused modules", msg)
-        return msg, False
+    from hf_varlen.integrations.kernels_hub import kernelize
+
     report = kernelize(model, device=device.type)
     counts = getattr(report, "counts", {})
     return str(report), bool(counts.get("cross_entropy"))
