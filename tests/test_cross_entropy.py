@@ -540,6 +540,9 @@ def worker(rank, port, out):
     grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
     if rank == 0:
         torch.save({"loss": loss.detach(), "grads": grads}, out)
+    # Both ranks reach teardown together: a gloo peer torn down while the other is still
+    # talking to it can abort the process ("terminate called without an active exception").
+    dist.barrier()
     dist.destroy_process_group()
 
 
