@@ -15,6 +15,7 @@ from numbers import Integral
 import torch
 
 from .backends import Request, resolve
+from .backends.registry import LONG_DOCUMENT_TOKENS
 
 
 def _env_flag(name: str) -> bool:
@@ -210,6 +211,7 @@ def varlen_attention(
         deterministic=det,
         needs_grad=torch.is_grad_enabled()
         and (q.requires_grad or k.requires_grad or v.requires_grad),
+        long_documents=max(max_q, max_k) >= LONG_DOCUMENT_TOKENS,
     )
     spec = resolve(backend, req)
     if q.stride(-1) != 1:  # every kernel needs a unit-stride head dim; other strides are fine

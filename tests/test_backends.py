@@ -332,3 +332,37 @@ def test_auto_picks_sdpa_on_cpu_and_respects_features():
         dropout=False,
     )
     assert resolve("auto", req_cap).name == "reference"  # sdpa cannot softcap; reference can
+
+
+def test_auto_on_cuda_prefers_triton_and_fa4_for_long_documents(monkeypatch):
+    """The CUDA "auto" policy, with every backend pretended available (no GPU needed)."""
+    from hf_varlen.backends import registry
+
+    monkeypatch.setattr(registry, "unavailable_reason", lambda name: None)
+    base = dict(device="cuda", dtype=torch.bfloat16, head_dim=128, causal=True, window=False)
+    short = registry.Request(**base, softcap=False, dropout=False)
+    long = registry.Request(**base, softcap=False, dropout=False, long_documents=True)
+    assert registry.resolve("auto", short).name == "triton"
+    assert registry.resolve("auto", long).name == "fa4"
+    # A feature the first choice lacks moves on down the order, never to an unsupporting backend.
+    dropout = registry.Request(**base, softcap=False, dropout=True)
+    assert registry.resolve("auto", dropout).name == "flash_attn"
+
+
+def test_long_documents_flag_follows_max_seqlen(monkeypatch):
+    from hf_varlen import attention
+    from hf_varlen.backends import registry
+
+    seen = []
+    real = attention.resolve
+
+    def spy(name, req):
+        seen.append(req.long_documents)
+        return real(name, req)
+
+    monkeypatch.setattr(attention, "resolve", spy)
+    q = torch.randn(8, 2, 16)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    for max_len in (8, registry.LONG_DOCUMENT_TOKENS):
+        hf_varlen.varlen_attention(q, q, q, cu, cu, max_len, max_len, backend="reference")
+    assert seen == [False, True]

@@ -1,18 +1,19 @@
 """Varlen attention backends. Importing this package registers every adapter.
 
-"auto" order (first available backend that supports the call wins), from our H200 measurements of
-forward+backward on packs of real alpaca and lima lengths (docs/BENCHMARKS.md, ANCHORS.md):
-FA4 leads on long documents and ties flex on short ones; flex pays a per-batch mask build; torch's
-bundled FA2 is the always-present CUDA fallback. On CPU the per-document SDPA loop is the fastest
-exact path (flex runs an unfused dense path there).
+"auto" order on CUDA (first available backend that supports the call wins), from our H200
+measurements of forward+backward on packs of real alpaca and lima lengths (docs/BENCHMARKS.md):
+our ``triton`` kernel leads on packed SFT data (2.2x FA4 on real alpaca 16K, 1.6-2.4x torch's FA2
+on alpaca/lima 64K), so it comes first. When a call holds a document of >= LONG_DOCUMENT_TOKENS
+(8192) tokens, FA4 is tried first: on a 32K document its backward is faster than ours (1 x 32K +
+32K alpaca f+b: FA4 53 ms in ANCHORS.md, ours 91 ms; the crossover between 3K, where ours still
+wins on real lima, and 32K was not measured). Then FA2, torch's bundled FA2 (always present), flex (pays a mask
+build per batch), xformers, SDPA. On CPU the per-document SDPA loop is the fastest exact path (flex
+runs an unfused dense path there; the triton backend needs a GPU).
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-
-from . import fa4, flash_attn, flex, reference, sdpa, torch_varlen, xformers  # noqa: F401
+from . import fa4, flash_attn, flex, reference, sdpa, torch_varlen, triton, xformers  # noqa: F401
 from .registry import (
     BackendSpec,
     Request,
@@ -27,11 +28,12 @@ from .registry import (
     unavailable_reason,
 )
 
-set_auto_order("cuda", ["fa4", "flash_attn", "torch", "flex", "xformers", "sdpa", "reference"])
+set_auto_order(
+    "cuda",
+    ["triton", "fa4", "flash_attn", "torch", "flex", "xformers", "sdpa", "reference"],
+    long_documents_first=["fa4"],
+)
 set_auto_order("cpu", ["sdpa", "reference"])
-
-if importlib.util.find_spec(__name__ + ".triton") is not None:  # our own Triton kernel (issue 5)
-    importlib.import_module(__name__ + ".triton")
 
 __all__ = [
     "BackendSpec",

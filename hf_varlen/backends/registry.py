@@ -53,6 +53,10 @@ _REGISTRY: dict[str, BackendSpec] = {}
 # "auto" tries these in order per device type (first available that supports the request wins). The
 # order comes from our own H200 measurements (docs/BENCHMARKS.md): see hf_varlen/backends/__init__.py.
 _AUTO_ORDER: dict[str, list[str]] = {"cuda": [], "cpu": []}
+# Tried before _AUTO_ORDER when a call holds a document of >= LONG_DOCUMENT_TOKENS tokens: on long
+# documents FA4's backward beats our short-document schedule (docs/BENCHMARKS.md, 1 x 32K case).
+LONG_DOCUMENT_TOKENS = 8192
+_AUTO_LONG_FIRST: dict[str, list[str]] = {"cuda": [], "cpu": []}
 _PROBE_CACHE: dict[str, str | None] = {}
 _AUTO_LOGGED: set[tuple] = set()
 _DEFAULT = {"name": None}
@@ -69,16 +73,29 @@ def register_backend(spec: BackendSpec, *, auto_rank: int | None = None) -> None
         order.insert(min(auto_rank, len(order)), spec.name)
 
 
-def set_auto_order(device_type: str, names: list[str]) -> None:
-    """Set the order in which backend="auto" tries backends on ``device_type`` ("cuda", "cpu")."""
-    unknown = [n for n in names if n not in _REGISTRY]
+def set_auto_order(
+    device_type: str, names: list[str], *, long_documents_first: list[str] | None = None
+) -> None:
+    """Set the order in which backend="auto" tries backends on ``device_type`` ("cuda", "cpu").
+
+    ``long_documents_first`` (optional) are tried before ``names`` when a call's longest document
+    has at least ``LONG_DOCUMENT_TOKENS`` tokens.
+    """
+    first = list(long_documents_first or [])
+    unknown = [n for n in names + first if n not in _REGISTRY]
     if unknown:
         raise ValueError(f"set_auto_order: unknown backends {unknown}; known: {sorted(_REGISTRY)}")
     _AUTO_ORDER[device_type] = list(names)
+    _AUTO_LONG_FIRST[device_type] = first
 
 
-def auto_order(device_type: str) -> list[str]:
-    return list(_AUTO_ORDER.get(device_type, []))
+def auto_order(device_type: str, *, long_documents: bool = False) -> list[str]:
+    """The order "auto" tries on ``device_type`` (for a call with long documents if asked)."""
+    order = _AUTO_ORDER.get(device_type, [])
+    if long_documents:
+        first = _AUTO_LONG_FIRST.get(device_type, [])
+        order = first + [n for n in order if n not in first]
+    return list(order)
 
 
 def get_spec(name: str) -> BackendSpec:
@@ -139,6 +156,7 @@ class Request:
     dropout: bool
     deterministic: bool = False
     needs_grad: bool = False
+    long_documents: bool = False  # a document of >= LONG_DOCUMENT_TOKENS (only steers "auto")
 
     def unsupported(self, spec: BackendSpec) -> list[str]:
         """Names of the requested features ``spec`` cannot provide (empty = supported)."""
@@ -198,7 +216,7 @@ def resolve(name: str, req: Request) -> BackendSpec:
             )
         return spec
     tried = []
-    for cand in _AUTO_ORDER.get(req.device, []):
+    for cand in auto_order(req.device, long_documents=req.long_documents):
         if unavailable_reason(cand) is not None:
             continue
         missing = req.unsupported(_REGISTRY[cand])

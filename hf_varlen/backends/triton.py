@@ -32,6 +32,8 @@ def _probe() -> str | None:
         return "the triton package is not installed (pip install triton)"
     if not torch.cuda.is_available():
         return "needs a CUDA GPU (the CPU interpreter path is for tests only)"
+    if torch.cuda.get_device_capability() < (8, 0):
+        return "needs an sm80+ GPU (Ampere or newer); its tile configs are tuned on Hopper"
     return None
 
 
