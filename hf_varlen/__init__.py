@@ -15,7 +15,13 @@ from .collator import PackingCollator
 from .integrations.hub_package import enable_local_hub_kernel, hub_kernel_path
 from .integrations.kernels_hub import KernelizeReport, kernelize
 from .integrations.transformers import register
-from .packing import PackingResult, PackingStats, TokenBudgetBatchSampler, pack_by_tokens
+from .packing import (
+    ExampleCountBatchSampler,
+    PackingResult,
+    PackingStats,
+    TokenBudgetBatchSampler,
+    pack_by_tokens,
+)
 
 __version__ = "0.1.0"
 
@@ -31,6 +37,7 @@ __all__ = [
     "PackingResult",
     "PackingStats",
     "TokenBudgetBatchSampler",
+    "ExampleCountBatchSampler",
     "pack_by_tokens",
     "available_backends",
     "default_backend",

@@ -21,7 +21,8 @@ Statistics, with ``N_b`` batches, ``n_b`` examples and ``m_b`` longest example i
 ``TokenBudgetBatchSampler`` packs once and, per epoch, reorders the batches deterministically from
 ``(seed, epoch)``. With ``num_replicas = R > 1`` the batches are sorted by token count and dealt in
 groups of ``R`` consecutive ones, one per rank, so every global step gives all ranks a batch of
-nearly the same size; each example lands on exactly one rank.
+nearly the same size; each example lands on exactly one rank. ``ExampleCountBatchSampler`` is the
+classic fixed-count alternative (``batch_size`` examples per batch, same ordering and dealing).
 """
 
 from __future__ import annotations
@@ -36,7 +37,13 @@ import numpy as np
 import torch
 from torch.utils.data import Sampler
 
-__all__ = ["PackingResult", "PackingStats", "TokenBudgetBatchSampler", "pack_by_tokens"]
+__all__ = [
+    "ExampleCountBatchSampler",
+    "PackingResult",
+    "PackingStats",
+    "TokenBudgetBatchSampler",
+    "pack_by_tokens",
+]
 
 STRATEGIES = ("bfd", "ffd", "sequential")
 ON_OVERFLOW = ("truncate", "raise")
@@ -243,7 +250,60 @@ def pack_by_tokens(
     return PackingResult(batches=bins, batch_tokens=batch_tokens, stats=stats)
 
 
-class TokenBudgetBatchSampler(Sampler[list[int]]):
+class _DealtBatchSampler(Sampler[list[int]]):
+    """Fixed batches, reordered per epoch from ``(seed, epoch)`` and dealt to ranks by size.
+
+    Subclasses set ``self.batches`` (index lists), ``self.batch_tokens`` and ``self.stats`` and
+    then call ``_deal()``. See ``TokenBudgetBatchSampler`` for the order and rank contract.
+    """
+
+    def __init__(self, *, shuffle: bool, seed: int, num_replicas: int, rank: int):
+        super().__init__()
+        for name, value, minimum in (("num_replicas", num_replicas, 1), ("rank", rank, 0)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+            if value < minimum:
+                raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
+        if rank >= num_replicas:
+            raise ValueError(f"rank: expected 0 <= rank < num_replicas={num_replicas}, got {rank}")
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+            raise TypeError(f"seed: expected an int, got {type(seed).__name__}")
+        self.shuffle = bool(shuffle)
+        self.seed = int(seed)
+        self.num_replicas = int(num_replicas)
+        self.rank = int(rank)
+        self.epoch = 0
+
+    def _deal(self) -> None:
+        # Heaviest first, ties by creation order; -1 marks an empty slot in the last group.
+        by_size = sorted(range(len(self.batches)), key=lambda b: (-self.batch_tokens[b], b))
+        by_size += [-1] * (-len(by_size) % self.num_replicas)
+        self._groups = np.asarray(by_size, dtype=np.int64).reshape(-1, self.num_replicas)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch that ``__iter__`` yields (its order is fixed by ``seed`` and epoch)."""
+        if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
+            raise ValueError(f"epoch: expected an int >= 0, got {epoch!r}")
+        self.epoch = int(epoch)
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+    def step_batches(self) -> np.ndarray:
+        """``[len(self), num_replicas]`` batch ids for this epoch (-1: empty); same on all ranks."""
+        groups = self._groups
+        if self.shuffle and len(groups):
+            rng = np.random.default_rng([self.seed, self.epoch])
+            groups = groups[rng.permutation(len(groups))]
+            groups = np.take_along_axis(groups, rng.random(groups.shape).argsort(axis=1), axis=1)
+        return groups
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for b in self.step_batches()[:, self.rank].tolist():
+            yield list(self.batches[b]) if b >= 0 else []
+
+
+class TokenBudgetBatchSampler(_DealtBatchSampler):
     """Batch sampler yielding lists of example indices whose token counts fit ``max_tokens``.
 
     Use as ``DataLoader(dataset, batch_sampler=sampler, collate_fn=PackingCollator(...))`` and call
@@ -276,50 +336,60 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         num_replicas: int = 1,
         rank: int = 0,
     ):
-        super().__init__()
-        for name, value, minimum in (("num_replicas", num_replicas, 1), ("rank", rank, 0)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-                raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
-            if value < minimum:
-                raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
-        if rank >= num_replicas:
-            raise ValueError(f"rank: expected 0 <= rank < num_replicas={num_replicas}, got {rank}")
-        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
-            raise TypeError(f"seed: expected an int, got {type(seed).__name__}")
+        super().__init__(shuffle=shuffle, seed=seed, num_replicas=num_replicas, rank=rank)
         packed = pack_by_tokens(
             lengths, max_tokens, strategy=strategy, seed=None, on_overflow=on_overflow
         )
         self.batches = packed.batches
         self.batch_tokens = packed.batch_tokens
         self.stats = packed.stats
-        self.shuffle = bool(shuffle)
-        self.seed = int(seed)
-        self.num_replicas = int(num_replicas)
-        self.rank = int(rank)
-        self.epoch = 0
-        # Heaviest first, ties by creation order; -1 marks an empty slot in the last group.
-        by_size = sorted(range(len(self.batches)), key=lambda b: (-self.batch_tokens[b], b))
-        by_size += [-1] * (-len(by_size) % self.num_replicas)
-        self._groups = np.asarray(by_size, dtype=np.int64).reshape(-1, self.num_replicas)
+        self._deal()
 
-    def set_epoch(self, epoch: int) -> None:
-        """Select the epoch that ``__iter__`` yields (its order is fixed by ``seed`` and epoch)."""
-        if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
-            raise ValueError(f"epoch: expected an int >= 0, got {epoch!r}")
-        self.epoch = int(epoch)
 
-    def __len__(self) -> int:
-        return len(self._groups)
+class ExampleCountBatchSampler(_DealtBatchSampler):
+    """Batch sampler yielding ``batch_size`` examples per batch: the classic per-device batch size.
 
-    def step_batches(self) -> np.ndarray:
-        """``[len(self), num_replicas]`` batch ids for this epoch (-1: empty); same on all ranks."""
-        groups = self._groups
-        if self.shuffle and len(groups):
-            rng = np.random.default_rng([self.seed, self.epoch])
-            groups = groups[rng.permutation(len(groups))]
-            groups = np.take_along_axis(groups, rng.random(groups.shape).argsort(axis=1), axis=1)
-        return groups
+    The examples are put in one order (a permutation drawn from ``seed`` when ``shuffle``, else
+    index order) and cut into consecutive batches of ``batch_size`` (the last may be smaller).
+    Packed, one batch is a ``[1, T]`` row of ``T = sum of its lengths`` tokens; padded, the same
+    examples make a ``[batch_size, L_max]`` batch, so padded and packed runs see identical data in
+    identical order. Per-epoch step order and the dealing to ranks are as in
+    ``TokenBudgetBatchSampler``. ``stats.max_tokens`` is ``batch_size * max(lengths)`` (the static
+    ``[B, L]`` grid); ``stats.padded_efficiency`` is the share of real tokens when each batch is
+    padded to its own longest example.
+    """
 
-    def __iter__(self) -> Iterator[list[int]]:
-        for b in self.step_batches()[:, self.rank].tolist():
-            yield list(self.batches[b]) if b >= 0 else []
+    def __init__(
+        self,
+        lengths: Any,
+        batch_size: int,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        num_replicas: int = 1,
+        rank: int = 0,
+    ):
+        super().__init__(shuffle=shuffle, seed=seed, num_replicas=num_replicas, rank=rank)
+        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)):
+            raise TypeError(f"batch_size: expected an int, got {type(batch_size).__name__}")
+        if batch_size < 1:
+            raise ValueError(f"batch_size: expected an int >= 1, got {batch_size}")
+        raw = _as_lengths(lengths)
+        kept = np.flatnonzero(raw > 0)
+        if self.shuffle:
+            kept = kept[np.random.default_rng([self.seed, 4321]).permutation(kept.size)]
+        self.batches = [
+            sorted(kept[i : i + batch_size].tolist()) for i in range(0, kept.size, batch_size)
+        ]
+        self.batch_tokens = [int(raw[b].sum()) for b in self.batches]
+        self.stats = PackingStats(
+            max_tokens=int(batch_size) * int(raw.max(initial=1)),
+            num_examples=int(raw.size),
+            num_batches=len(self.batches),
+            real_tokens=int(sum(self.batch_tokens)),
+            padded_tokens=int(sum(len(b) * int(raw[b].max()) for b in self.batches)),
+            num_truncated=0,
+            truncated_tokens=0,
+            num_skipped_empty=int(raw.size - kept.size),
+        )
+        self._deal()

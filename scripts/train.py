@@ -1,7 +1,7 @@
 """Training entry point for ``accelerate launch`` (same flags as ``hf-varlen train``).
 
 python scripts/train.py                                     # embedded tiny default
-accelerate launch --num_processes 2 --cpu scripts/train.py  # two CPU processes (gloo)
+accelerate launch --config_file scripts/accelerate/cpu_2proc.yaml scripts/train.py  # 2 CPU procs (gloo)
 accelerate launch --config_file scripts/accelerate/ddp.yaml scripts/train.py --model ...
 """
 

@@ -12,7 +12,12 @@ import pytest
 import torch
 
 from hf_varlen.collator import PackingCollator
-from hf_varlen.packing import PackingStats, TokenBudgetBatchSampler, pack_by_tokens
+from hf_varlen.packing import (
+    ExampleCountBatchSampler,
+    PackingStats,
+    TokenBudgetBatchSampler,
+    pack_by_tokens,
+)
 
 STRATEGIES = ["bfd", "ffd", "sequential"]
 
@@ -244,6 +249,62 @@ def test_sampler_bad_input():
         TokenBudgetBatchSampler([9, 2], 8, on_overflow="raise")
     with pytest.raises(ValueError, match="epoch: expected an int >= 0"):
         TokenBudgetBatchSampler([1, 2], 8).set_epoch(-1)
+
+
+@pytest.mark.parametrize("num_replicas", [1, 3])
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_example_count_sampler(num_replicas, shuffle):
+    lengths = _lengths(3, n=1001, empty_frac=0.01)
+    batch_size = 16
+
+    def ranks(epoch, seed=7):
+        return [
+            _epoch(
+                ExampleCountBatchSampler(
+                    lengths, batch_size, shuffle=shuffle, seed=seed, num_replicas=num_replicas,
+                    rank=rank,
+                ),
+                epoch,
+            )
+            for rank in range(num_replicas)
+        ]  # fmt: skip
+
+    per_rank = ranks(0)
+    batches = [b for r in per_rank for b in r if b]
+    kept = np.flatnonzero(lengths)
+    # Every non-empty example exactly once; all batches full but the last one.
+    counts = Counter(i for b in batches for i in b)
+    assert sorted(counts) == kept.tolist() and set(counts.values()) == {1}
+    sizes = sorted(len(b) for b in batches)
+    assert sizes[1:] == [batch_size] * (len(batches) - 1) and 1 <= sizes[0] <= batch_size
+    assert len(batches) == -(-kept.size // batch_size)
+    # Without shuffle the batches are runs of consecutive examples.
+    if not shuffle:
+        assert sorted(batches)[0] == kept[:batch_size].tolist()
+    # Deterministic; epochs reorder steps, not batch contents; the seed changes the contents.
+    assert ranks(0) == per_rank
+    if shuffle:
+        assert ranks(1) != per_rank
+        assert sorted(map(tuple, (b for r in ranks(1) for b in r if b))) == sorted(
+            map(tuple, batches)
+        )
+        assert sorted(map(tuple, (b for r in ranks(0, seed=8) for b in r if b))) != sorted(
+            map(tuple, batches)
+        )
+    s = ExampleCountBatchSampler(lengths, batch_size)
+    assert s.stats.real_tokens == int(lengths.sum())
+    assert s.stats.max_tokens == batch_size * int(lengths.max())
+    padded = sum(len(b) * int(lengths[b].max()) for b in s.batches)
+    assert s.stats.padded_efficiency == pytest.approx(int(lengths.sum()) / padded)
+
+
+def test_example_count_sampler_bad_input():
+    with pytest.raises(ValueError, match="batch_size: expected an int >= 1, got 0"):
+        ExampleCountBatchSampler([1, 2], 0)
+    with pytest.raises(TypeError, match="batch_size: expected an int, got float"):
+        ExampleCountBatchSampler([1, 2], 2.0)
+    with pytest.raises(ValueError, match=r"rank: expected 0 <= rank < num_replicas=2, got 2"):
+        ExampleCountBatchSampler([1, 2], 1, num_replicas=2, rank=2)
 
 
 def test_sampler_with_dataloader_and_collator():

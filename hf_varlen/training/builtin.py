@@ -7,8 +7,9 @@
   output) from small rule-based tasks over word lists (repeat, upper-case, sort, reverse, count,
   spell numbers, short templated stories). Responses are (mostly) a function of the prompt, so a
   tiny model's loss falls fast; lengths vary from ~40 to ~400 bytes, so packing has work to do.
-- ``PRESETS``: random-init model shapes by name (``tiny-*`` for CPU runs and tests, ``llama-1b`` for
-  the GPU benchmark: Llama-3.2-1B's shape with the tokenizer's vocabulary).
+- ``PRESETS``: random-init model shapes by name (``tiny-*`` for CPU runs and tests; ``llama-1b`` and
+  ``qwen3-8b`` for the GPU benchmarks: Llama-3.2-1B's and Qwen3-8B's shapes with the tokenizer's
+  vocabulary).
 """
 
 from __future__ import annotations
@@ -51,6 +52,23 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
             rms_norm_eps=1e-5,
             rope_theta=500000.0,
             tie_word_embeddings=True,
+        ),
+    ),
+    # Qwen3-8B: hidden 4096, 36 layers, 32/8 heads x 128 (q/k RMSNorm), MLP 12288, untied head.
+    # Benchmarks usually cut the layers (--config-overrides num_hidden_layers=N) to fit their time.
+    "qwen3-8b": (
+        "qwen3",
+        dict(
+            hidden_size=4096,
+            intermediate_size=12288,
+            num_hidden_layers=36,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            max_position_embeddings=40960,
+            rms_norm_eps=1e-6,
+            rope_theta=1000000.0,
+            tie_word_embeddings=False,
         ),
     ),
 }

@@ -23,6 +23,7 @@ PRECISIONS = ("auto", "fp32", "bf16", "bf16-mixed")
 SCHEDULES = ("cosine", "linear", "constant", "constant_with_warmup")
 OPTIMIZERS = ("adamw", "sgd")
 TOGGLES = ("auto", "on", "off")
+DEFAULT_TOKENS_PER_BATCH = 4096
 
 
 def _opt(default: Any, help: str, **extra: Any) -> Any:
@@ -38,7 +39,7 @@ class TrainConfig:
     model: str = _opt(
         "tiny-llama",
         "hub id, local directory, or a built-in random-init preset "
-        "(tiny-llama, tiny-qwen2, tiny-qwen3, tiny-mistral, llama-1b)",
+        "(tiny-llama, tiny-qwen2, tiny-qwen3, tiny-mistral, llama-1b, qwen3-8b)",
     )
     tokenizer: str | None = _opt(
         None,
@@ -72,8 +73,16 @@ class TrainConfig:
     max_examples: int | None = _opt(None, "use only the first N examples of the dataset")
     builtin_examples: int = _opt(2000, "number of examples the built-in dataset generates")
     max_length: int = _opt(1024, "truncate each example to this many tokens")
-    tokens_per_batch: int = _opt(
-        4096, "token budget of one packed micro-batch per device (>= max_length)"
+    tokens_per_batch: int | None = _opt(
+        None,
+        "token budget of one packed micro-batch per device (>= max_length); default 4096 "
+        "unless --batch-size is given",
+    )
+    batch_size: int | None = _opt(
+        None,
+        "examples per micro-batch per device (the classic per-device batch size) instead of a "
+        "token budget: consecutive examples of one seeded shuffle, packed into one row (or "
+        "padded to [B, L_max] with --padded)",
     )
     grad_accum: int = _opt(1, "micro-batches per optimizer step (gradient accumulation)")
     shuffle: bool = _opt(True, "shuffle the order of the packed micro-batches every epoch")
@@ -91,6 +100,12 @@ class TrainConfig:
     fused_kernels: str = _opt(
         "auto",
         "hf_varlen fused kernels (RoPE, GLU, RMSNorm, CE); auto: on when CUDA is used",
+        choices=TOGGLES,
+    )
+    fused_loss: str = _opt(
+        "auto",
+        "fused chunked linear cross-entropy (never materialises the logits); auto: follows "
+        "--fused-kernels",
         choices=TOGGLES,
     )
     precision: str = _opt(
@@ -145,10 +160,17 @@ class TrainConfig:
                 f"--max-length: expected >= 2 (one input and one target token), got "
                 f"{self.max_length}"
             )
-        if self.tokens_per_batch < self.max_length:
+        if self.tokens_per_batch is not None and self.batch_size is not None:
+            raise ValueError(
+                f"--tokens-per-batch {self.tokens_per_batch} and --batch-size {self.batch_size}: "
+                "a micro-batch is either a token budget or a number of examples; pass only one"
+            )
+        if self.batch_size is not None and self.batch_size < 1:
+            raise ValueError(f"--batch-size: expected >= 1 or unset, got {self.batch_size}")
+        if self.token_budget < self.max_length:
             raise ValueError(
                 f"--tokens-per-batch: expected >= --max-length ({self.max_length}) so that the "
-                f"longest example fits one micro-batch, got {self.tokens_per_batch}; raise "
+                f"longest example fits one micro-batch, got {self.token_budget}; raise "
                 "--tokens-per-batch or lower --max-length"
             )
         for name in ("grad_accum", "log_every", "lora_r", "builtin_examples"):
@@ -177,6 +199,7 @@ class TrainConfig:
             ("lr_schedule", SCHEDULES),
             ("optim", OPTIMIZERS),
             ("fused_kernels", TOGGLES),
+            ("fused_loss", TOGGLES),
         ):
             if getattr(self, name) not in choices:
                 raise ValueError(
@@ -197,6 +220,13 @@ class TrainConfig:
                 f"--resume: expected a checkpoint directory or 'latest', got {self.resume!r} "
                 "(no such directory)"
             )
+
+    @property
+    def token_budget(self) -> int:
+        """Tokens one micro-batch may hold: --tokens-per-batch, or batch_size x max_length."""
+        if self.batch_size is not None:
+            return self.batch_size * self.max_length
+        return DEFAULT_TOKENS_PER_BATCH if self.tokens_per_batch is None else self.tokens_per_batch
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -13,10 +13,11 @@ then truncation to ``max_length``. Examples left with no label token after the f
 dropped (counted and logged): they carry no loss and would only cost compute.
 
 Batches. A ``TokenBudgetBatchSampler`` packs the examples once into micro-batches of at most
-``tokens_per_batch`` tokens and deals them to ranks (every rank gets the same number; ``[]`` fills
-the last group). Packed mode collates a micro-batch with ``PackingCollator`` into one ``[1, T]``
-row; the padded baseline collates the *same* examples into a right-padded ``[B, L_max]`` batch, so
-both modes see identical data in identical order. An empty slot becomes a one-token dummy batch
+``tokens_per_batch`` tokens (or, with ``--batch-size B``, an ``ExampleCountBatchSampler`` cuts one
+seeded shuffle into micro-batches of B examples) and deals them to ranks (every rank gets the same
+number; ``[]`` fills the last group). Packed mode collates a micro-batch with ``PackingCollator``
+into one ``[1, T]`` row; the padded baseline collates the *same* examples into a right-padded
+``[B, L_max]`` batch, so both modes see identical data in identical order. An empty slot becomes a one-token dummy batch
 with no label (a zero-loss forward/backward keeps data-parallel collectives matched).
 
 Shape legend: B examples in a micro-batch, L_max the longest of them, T = sum of their lengths.

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..packing import TokenBudgetBatchSampler
+from ..packing import ExampleCountBatchSampler, TokenBudgetBatchSampler
 from . import checkpoint as ckpt
 from .config import TrainConfig
 from .data import (
@@ -133,9 +133,14 @@ def _cpu_requested() -> bool:
 
 
 class Trainer:
-    """One run. ``Trainer(cfg).run()`` returns the summary dict (also written to summary.json)."""
+    """One run. ``Trainer(cfg).run()`` returns the summary dict (also written to summary.json).
 
-    def __init__(self, cfg: TrainConfig):
+    ``model_hook`` (Python API only) is called with the freshly built model, before hf_varlen's
+    kernels, gradient checkpointing and LoRA: the place for a comparator's own patching (the e2e
+    benchmark applies Liger there). What it changes is the user's responsibility.
+    """
+
+    def __init__(self, cfg: TrainConfig, *, model_hook=None):
         from accelerate import Accelerator
         from accelerate.utils import set_seed
 
@@ -177,6 +182,8 @@ class Trainer:
 
         # Model.
         model = build_model(cfg, self.tokenizer, self.precision, self.device)
+        if model_hook is not None:
+            model_hook(model)
         self.kernels, fused_ce = apply_kernels(model, cfg, self.device)
         # The fused CE returns logits-free outputs in training; in eval it needs to be asked.
         self.eval_kwargs = {"fused_loss": True} if fused_ce else {}
@@ -208,7 +215,8 @@ class Trainer:
         self.state = ckpt.RunState(
             fingerprint={
                 "seed": cfg.seed,
-                "tokens_per_batch": cfg.tokens_per_batch,
+                "tokens_per_batch": cfg.token_budget,
+                "batch_size": cfg.batch_size,
                 "grad_accum": cfg.grad_accum,
                 "processes": self.acc.num_processes,
                 "train_examples": len(self.train_ex),
@@ -224,15 +232,16 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------ #
 
-    def _sampler(self, examples: Examples, shuffle: bool) -> TokenBudgetBatchSampler:
-        return TokenBudgetBatchSampler(
-            examples.lengths,
-            self.cfg.tokens_per_batch,
+    def _sampler(self, examples: Examples, shuffle: bool):
+        common = dict(
             shuffle=shuffle and self.cfg.shuffle,
             seed=self.cfg.seed,
             num_replicas=self.acc.num_processes,
             rank=self.acc.process_index,
         )
+        if self.cfg.batch_size is not None:
+            return ExampleCountBatchSampler(examples.lengths, self.cfg.batch_size, **common)
+        return TokenBudgetBatchSampler(examples.lengths, self.cfg.token_budget, **common)
 
     @torch.no_grad()
     def _preflight(self) -> None:
@@ -297,7 +306,7 @@ class Trainer:
                 sum(b.tensor_tokens for b in batches),
                 sum(b.label_tokens for b in real),
                 sum(b.attn_sq for b in real),
-                len(real) * self.cfg.tokens_per_batch,
+                len(real) * self.cfg.token_budget,
             ]
         )
         gn = float(grad_norm) if grad_norm is not None else math.nan
@@ -406,7 +415,13 @@ class Trainer:
         data = (
             f"{cfg.dataset} ({self.format}), {len(self.train_ex)} train / "
             f"{len(self.eval_ex) if self.eval_ex else 0} eval examples, max_length "
-            f"{cfg.max_length}, {cfg.tokens_per_batch} tokens per micro-batch x {cfg.grad_accum}"
+            f"{cfg.max_length}, "
+            + (
+                f"{cfg.batch_size} examples"
+                if cfg.batch_size is not None
+                else f"{cfg.token_budget} tokens"
+            )
+            + f" per micro-batch x {cfg.grad_accum}"
         )
         summary = summarize(
             run_log.records,

@@ -1,7 +1,8 @@
 """Run metrics: per-step records, the progress bar, the JSONL log, the summary, MFU and plots.
 
 Per optimizer step (global over ranks; ``real`` = tokens of real examples, ``held`` = tokens the
-input tensors hold, i.e. with padding, ``budget`` = real micro-batches x tokens_per_batch):
+input tensors hold, i.e. with padding, ``budget`` = real micro-batches x the token budget, i.e.
+--tokens-per-batch or batch_size x max_length):
 
     tokens_per_s        = real / step wall-clock
     packing_efficiency  = real / held      (1.0 for unpadded packs; the padded share otherwise)

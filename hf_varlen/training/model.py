@@ -171,20 +171,30 @@ def check_backend(cfg: TrainConfig) -> None:
 
 
 def apply_kernels(model, cfg: TrainConfig, device: torch.device) -> tuple[str, bool]:
-    """Fused kernels via ``hf_varlen.kernelize`` when wanted.
+    """Fused kernels (RoPE, GLU, RMSNorm) and the fused cross-entropy via ``hf_varlen.kernelize``.
 
-    Returns (what happened, whether the fused cross-entropy loss was installed). Called on the CPU
-    model before ``accelerator.prepare`` moves it, so the target device is passed explicitly.
+    ``--fused-kernels`` switches the layer kernels, ``--fused-loss`` the loss (auto: as the
+    kernels), so each part can be measured on its own. Returns (what happened, whether the fused
+    cross-entropy loss was installed). Called on the CPU model before ``accelerator.prepare``
+    moves it, so the target device is passed explicitly.
     """
-    wanted = cfg.fused_kernels == "on" or (cfg.fused_kernels == "auto" and device.type == "cuda")
-    if not wanted:
+
+    def wanted(toggle: str) -> bool:
+        return toggle == "on" or (toggle == "auto" and device.type == "cuda")
+
+    layers = wanted(cfg.fused_kernels)
+    loss = layers if cfg.fused_loss == "auto" else cfg.fused_loss == "on"
+    if not layers and not loss:
         reason = "--fused-kernels off" if cfg.fused_kernels == "off" else "auto: no CUDA device"
         return f"off ({reason})", False
     from hf_varlen.integrations.kernels_hub import kernelize
 
-    report = kernelize(model, device=device.type)
+    report = kernelize(
+        model, rope=layers, glu=layers, rmsnorm=layers, cross_entropy=loss, device=device.type
+    )
     counts = getattr(report, "counts", {})
-    return str(report), bool(counts.get("cross_entropy"))
+    text = str(report) if layers else f"layer kernels off (--fused-kernels); {report}"
+    return text, bool(counts.get("cross_entropy"))
 
 
 def apply_lora(model, cfg: TrainConfig):
