@@ -1,0 +1,442 @@
+"""End-to-end training benchmark: tokens/s, peak memory, MFU and loss curves by per-device batch size.
+
+Every measurement is a short ``hf-varlen train`` run (``hf_varlen.training.Trainer``, the same loop,
+data pipeline and metrics users get), one configuration per subprocess so that process-wide
+patches (kernel-hub RoPE, Liger) never leak into the next mode. Batches are ``--batch-size B``
+examples (the seed's per-device batch), consecutive in one seeded shuffle, so every mode trains on
+identical examples in identical order.
+
+Modes (``--modes``, comma-separated):
+
+    padded_sdpa          right-padded [B, L_max] batches, HF ``sdpa``  (the usual baseline)
+    packed_sdpa          packed [1, T] row, HF ``sdpa`` (dense block-diagonal mask from position_ids)
+    packed_flex          packed row, HF ``flex_attention`` (document mask from position_ids)
+    minimal_varlen       packed row, a 15-line custom attention calling torch ``varlen_attn``: the
+                         simplest integration anyone could write, our floor
+    hf_varlen            ``varlen_packed`` (auto backend) + kernelize + fused cross-entropy
+    hf_varlen-attn       attribution: hf_varlen with the attention backend forced to ``torch``
+    hf_varlen-kernels    attribution: hf_varlen without the RoPE/GLU/RMSNorm kernels
+    hf_varlen-loss       attribution: hf_varlen without the fused cross-entropy
+    liger_packed         minimal_varlen + Liger (rope, swiglu, rmsnorm, fused linear CE), if installed
+
+Metrics per run, over the steps after ``--warmup``: real tokens/s, peak GiB
+(``max_memory_allocated``), MFU = model FLOPs incl. attention / ``--peak-tflops`` (790 on the H200,
+ANCHORS.md), the padding share of the tensors, and the per-step loss. Loss equality: each mode's
+per-step losses against ``padded_sdpa`` (same examples, same order).
+
+Outputs (``--out``): ``results.json`` (streamed after every run), ``e2e_tables.md`` (the tables for
+docs/BENCHMARKS.md), PNGs in ``--plots-dir`` (tokens/s vs batch size per mode, padding efficiency
+vs batch size, loss vs step and vs wall-clock packed vs padded), and with ``--profile`` one
+profiled step per model (``profile_<model>.md``: device time by category and the top kernels).
+
+    python scripts/bench_e2e.py --out runs/e2e --plots-dir docs          # the issue's table
+    python scripts/bench_e2e.py --models qwen3-8b --layers 8 --batch-sizes 32,128
+    python scripts/bench_e2e.py --padding-only --plots-dir docs          # data only, no GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+SHARED = ROOT.parent / "shared" / "data"
+PEAK_TFLOPS_H200 = 790.0  # dense bf16 matmul peak as measured on our H200 (ANCHORS.md)
+MINIMAL_ATTN = "bench_minimal_varlen"
+
+MODES: dict[str, dict] = {
+    "padded_sdpa": dict(padded=True, fused_kernels="off"),
+    "packed_sdpa": dict(attn_implementation="sdpa", fused_kernels="off"),
+    "packed_flex": dict(attn_implementation="flex_attention", fused_kernels="off"),
+    "minimal_varlen": dict(attn_implementation=MINIMAL_ATTN, fused_kernels="off"),
+    "hf_varlen": dict(attn_backend="auto", fused_kernels="on", fused_loss="on"),
+    "hf_varlen-attn": dict(attn_backend="torch", fused_kernels="on", fused_loss="on"),
+    "hf_varlen-kernels": dict(attn_backend="auto", fused_kernels="off", fused_loss="on"),
+    "hf_varlen-loss": dict(attn_backend="auto", fused_kernels="on", fused_loss="off"),
+    "liger_packed": dict(attn_implementation=MINIMAL_ATTN, fused_kernels="off", liger=True),
+}
+DEFAULT_MODES = "padded_sdpa,packed_sdpa,packed_flex,minimal_varlen,hf_varlen,hf_varlen-attn,hf_varlen-kernels,hf_varlen-loss,liger_packed"
+
+
+# --------------------------------------------------------------------------------------------- #
+# The floor: the simplest varlen attention anyone could register with transformers.
+
+
+def minimal_varlen_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """Packed (1, H, T, D) q/k/v -> torch ``varlen_attn`` over ``cu_seq_lens_q`` -> (1, T, H, D)."""
+    import inspect
+
+    from torch.nn.attention.varlen import varlen_attn
+
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # (T, H, D)
+    extra = {}
+    if "enable_gqa" in inspect.signature(varlen_attn).parameters:
+        extra["enable_gqa"] = True
+    else:  # torch 2.11: no GQA flag, expand the KV heads
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    cu, n = kwargs["cu_seq_lens_q"], kwargs["max_length_q"]
+    out = varlen_attn(q, k, v, cu, cu, n, n, scale=scaling, window_size=(-1, 0), **extra)
+    return out.unsqueeze(0), None
+
+
+def register_minimal_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+
+    AttentionInterface.register(MINIMAL_ATTN, minimal_varlen_attention)
+    AttentionMaskInterface.register(MINIMAL_ATTN, flash_attention_mask)
+
+
+def liger_hook(model) -> None:
+    import liger_kernel.transformers as liger
+
+    patch = getattr(liger, f"apply_liger_kernel_to_{model.config.model_type}", None)
+    if patch is None:
+        raise ValueError(f"liger-kernel has no patch for model type {model.config.model_type!r}")
+    patch(model=model)
+
+
+# --------------------------------------------------------------------------------------------- #
+# One configuration (runs inside its own process).
+
+
+def mode_unavailable(mode: str, device: str) -> str | None:
+    """Why ``mode`` cannot run here, or None."""
+    import importlib.util
+
+    spec = MODES[mode]
+    if spec.get("liger") and importlib.util.find_spec("liger_kernel") is None:
+        return "liger-kernel not installed"
+    if spec.get("attn_implementation") == MINIMAL_ATTN and device != "cuda":
+        return "torch varlen_attn needs CUDA"
+    if spec.get("attn_implementation") == "flex_attention" and device != "cuda":
+        return "flex_attention backward needs CUDA"
+    return None
+
+
+def train_config(run: dict, device: str):
+    from hf_varlen.training import TrainConfig
+
+    spec = {k: v for k, v in MODES[run["mode"]].items() if k != "liger"}
+    if device != "cuda" and spec.get("fused_kernels") == "on":
+        spec["fused_kernels"] = "auto"  # CPU smoke runs: the layer kernels are GPU kernels
+    overrides = f"num_hidden_layers={run['layers']}" if run.get("layers") else None
+    return TrainConfig(
+        model=run["model"],
+        tokenizer=run["tokenizer"],
+        config_overrides=overrides,
+        dataset=run["dataset"],
+        format="alpaca",
+        max_length=run["max_length"],
+        batch_size=run["batch_size"],
+        max_steps=run["steps"],
+        lr=run["lr"],
+        warmup_steps=0,
+        lr_schedule="constant",
+        max_grad_norm=1.0,
+        precision=run["precision"],
+        seed=run["seed"],
+        output_dir=run["run_dir"],
+        save_final=False,
+        progress=False,
+        peak_tflops=run["peak_tflops"],
+        **spec,
+    )
+
+
+def run_one(run: dict) -> dict:
+    """Train one configuration; return its metrics (``status`` "ok", "OOM" or "skipped: why")."""
+    import torch
+
+    from hf_varlen.training import Trainer
+
+    register_minimal_attention()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if why := mode_unavailable(run["mode"], device):
+        return {"status": f"skipped: {why}"}
+    hook = liger_hook if MODES[run["mode"]].get("liger") else None
+    try:
+        trainer = Trainer(train_config(run, device), model_hook=hook)
+        if run.get("profile"):
+            return profile_step(trainer, run)
+        trainer.run()
+    except torch.OutOfMemoryError:
+        return {"status": "OOM"}
+    records = trainer_records(run["run_dir"])
+    steady = records[run["warmup"] :] or records
+    seconds = sum(r["step_time"] for r in steady)
+    tokens = sum(r["real_tokens"] for r in steady)
+    tflops = sum(r["tflops_per_s"] * r["step_time"] for r in steady) / seconds
+    return {
+        "status": "ok",
+        "tokens_per_s": tokens / seconds,
+        "tokens_per_step": tokens / len(steady),
+        "step_ms": 1e3 * seconds / len(steady),
+        "peak_gib": max(r["peak_mem_gib"] for r in records),
+        "tflops_per_s": tflops,
+        "mfu": tflops / run["peak_tflops"] if run["peak_tflops"] else None,
+        "padding_efficiency": sum(r["real_tokens"] for r in records)
+        / sum(r["tensor_tokens"] for r in records),
+        "losses": [r["loss"] for r in records],
+        "elapsed": [r["elapsed"] for r in records],
+        "kernels": trainer.kernels,
+        "params": trainer.params,
+    }
+
+
+def trainer_records(run_dir: str) -> list[dict]:
+    from hf_varlen.training.metrics import read_log
+
+    return [r for r in read_log(run_dir) if "loss" in r]
+
+
+# Kernel / op name -> category for the step profile (first match wins).
+CATEGORIES = (
+    ("cross-entropy", r"_ce_rows|cross_entropy|log_softmax|nll_loss"),
+    ("rope/glu/rmsnorm (fused)", r"rope|rotary|glu|rms_?norm"),
+    ("attention", r"attn|attention|flash|fmha|varlen|sdpa"),
+    ("optimizer", r"adam|multi_tensor|foreach|optimizer"),
+    ("matmul", r"gemm|matmul|\bmm\b|aten::mm|aten::addmm|aten::bmm|cutlass|xmma|nvjet|sm90_"),
+    ("copies/casts", r"copy|cast|to_copy|cat|fill|memset|memcpy|zero"),
+)
+
+
+def profile_step(trainer, run: dict) -> dict:
+    """Time one training step under torch.profiler after ``warmup`` unprofiled ones."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    slots = list(trainer.sampler)
+    for group in ([s] for s in slots[: run["warmup"]]):
+        trainer.train_step(group)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        counts = trainer.train_step([slots[run["warmup"]]])
+    on_gpu = torch.cuda.is_available()
+    by_cat: dict[str, float] = {}
+    kernels = []
+    for evt in prof.key_averages():
+        if on_gpu:
+            if evt.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            us = getattr(evt, "self_device_time_total", None) or evt.self_cuda_time_total
+        else:
+            us = evt.self_cpu_time_total
+        if us <= 0:
+            continue
+        name = evt.key
+        cat = next(
+            (c for c, pat in CATEGORIES if re.search(pat, name, re.IGNORECASE)), "other elementwise"
+        )
+        by_cat[cat] = by_cat.get(cat, 0.0) + us
+        kernels.append((us, cat, name))
+    kernels.sort(reverse=True)
+    return {
+        "status": "ok",
+        "step_ms": 1e3 * counts["step_time"],
+        "real_tokens": counts["real_tokens"],
+        "clock": "GPU kernel time" if on_gpu else "CPU op time",
+        "by_category_ms": {c: us / 1e3 for c, us in sorted(by_cat.items(), key=lambda x: -x[1])},
+        "top": [(us / 1e3, cat, name[:100]) for us, cat, name in kernels[:25]],
+    }
+
+
+# --------------------------------------------------------------------------------------------- #
+# The driver.
+
+
+def prepare_dataset(name: str, args, out: Path) -> str:
+    """Path of the training data: alpaca as is, or alpaca + lima shuffled into one file (mix)."""
+    if name == "alpaca":
+        return str(args.alpaca)
+    if name == "mix":
+        import random
+
+        records = json.loads(Path(args.alpaca).read_text()) + json.loads(
+            Path(args.lima).read_text()
+        )
+        records = [{k: r.get(k, "") for k in ("instruction", "input", "output")} for r in records]
+        random.Random(0).shuffle(records)
+        path = out / "alpaca_lima_mix.json"
+        path.write_text(json.dumps(records))
+        return str(path)
+    return name  # any local file or hub dataset the trainer accepts
+
+
+def launch(run: dict, *, isolate: bool, timeout: float) -> dict:
+    if not isolate:
+        return run_one(run)
+    result_path = Path(run["run_dir"]) / "result.json"
+    result_path.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, __file__, "--one", json.dumps(run), "--result", str(result_path)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"status": f"timeout after {timeout:.0f} s"}
+    if proc.returncode != 0 or not result_path.exists():
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        return {"status": "error: " + " | ".join(tail)}
+    return json.loads(result_path.read_text())
+
+
+def padding_rows(args, datasets: dict[str, str]) -> list[dict]:
+    """Share of real tokens when B examples are padded to their longest one (data only)."""
+    from hf_varlen.packing import ExampleCountBatchSampler
+    from hf_varlen.training import TrainConfig
+    from hf_varlen.training.data import detect_format, load_records, tokenize
+    from hf_varlen.training.model import load_tokenizer
+
+    rows = []
+    for data, path in datasets.items():
+        for max_length in args.max_lengths:
+            cfg = TrainConfig(tokenizer=args.tokenizer, dataset=path, max_length=max_length)
+            tok = load_tokenizer(cfg)
+            records = load_records(path, cfg)
+            examples = tokenize(records, detect_format(records, cfg, path), tok, cfg)
+            for b in args.batch_sizes:
+                stats = ExampleCountBatchSampler(examples.lengths, b, seed=args.seed).stats
+                rows.append(
+                    dict(
+                        data=data,
+                        max_length=max_length,
+                        batch_size=b,
+                        padded_efficiency=stats.padded_efficiency,
+                        static_efficiency=stats.real_tokens / (len(examples) * max_length),
+                        tokens_per_batch=stats.real_tokens / stats.num_batches,
+                    )
+                )
+    return rows
+
+
+def csv(kind):
+    return lambda text: [kind(x) for x in text.split(",") if x]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", type=csv(str), default=["llama-1b"], help="trainer presets or paths")
+    p.add_argument("--layers", type=int, default=None, help="cut every model to this many layers")
+    p.add_argument("--data", type=csv(str), default=["alpaca"], help="alpaca, mix, or a file")
+    p.add_argument("--max-lengths", type=csv(int), default=[1024])
+    p.add_argument("--batch-sizes", type=csv(int), default=[1, 2, 4, 8, 16, 32, 64, 128])
+    p.add_argument("--modes", type=csv(str), default=DEFAULT_MODES.split(","))
+    p.add_argument("--steps", type=int, default=30, help="optimizer steps per run")
+    p.add_argument("--warmup", type=int, default=5, help="steps left out of the throughput")
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--precision", default=None, help="default: bf16 on CUDA, fp32 on CPU")
+    p.add_argument("--peak-tflops", type=float, default=None, help="default: 790 on CUDA")
+    p.add_argument("--tokenizer", default=str(SHARED / "tokenizers" / "qwen2"))
+    p.add_argument("--alpaca", default=str(SHARED / "alpaca" / "alpaca_5000.json"))
+    p.add_argument("--lima", default=str(SHARED / "lima" / "lima.json"))
+    p.add_argument("--out", default="runs/bench_e2e")
+    p.add_argument("--plots-dir", default=None, help="where the PNGs go (default: --out)")
+    p.add_argument(
+        "--profile", action="store_true", help="also profile one hf_varlen step per model"
+    )
+    p.add_argument("--profile-batch", type=int, default=32)
+    p.add_argument("--padding-only", action="store_true", help="only the data-only padding table")
+    p.add_argument(
+        "--no-isolate", dest="isolate", action="store_false", help="runs in this process"
+    )
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
+    p.add_argument("--one", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    unknown = [m for m in args.modes if m not in MODES]
+    if unknown:
+        p.error(f"--modes: unknown {unknown}; known: {list(MODES)}")
+    if args.warmup >= args.steps:
+        p.error(f"--warmup {args.warmup} must be < --steps {args.steps}")
+    return args
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    if args.one:
+        result = run_one(json.loads(args.one))
+        Path(args.result).write_text(json.dumps(result))
+        return [result]
+
+    import torch
+    from bench_common import run_header
+    from e2e_report import fmt_cell, write_plots, write_tables
+
+    cuda = torch.cuda.is_available()
+    precision = args.precision or ("bf16" if cuda else "fp32")
+    peak = (
+        args.peak_tflops if args.peak_tflops is not None else (PEAK_TFLOPS_H200 if cuda else None)
+    )
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    header = run_header(
+        precision=precision, steps=args.steps, warmup=args.warmup, layers=args.layers
+    )
+    print(json.dumps(header), flush=True)
+    datasets = {d: prepare_dataset(d, args, out) for d in args.data}
+    padding = padding_rows(args, datasets)
+    results: list[dict] = []
+    runs: list[dict] = []
+    if not args.padding_only:
+        keys = ("model", "data", "max_length", "batch_size", "mode")
+        grid = itertools.product(
+            args.models, args.data, args.max_lengths, args.batch_sizes, args.modes
+        )
+        runs = [dict(zip(keys, values, strict=True)) for values in grid]
+        if args.profile:
+            first = dict(data=args.data[0], max_length=args.max_lengths[0])
+            for model in args.models:
+                runs.append(
+                    dict(model=model, **first, batch_size=args.profile_batch, mode="hf_varlen")
+                )
+                runs[-1]["profile"] = True
+    for i, run in enumerate(runs):
+        run.update(
+            tokenizer=args.tokenizer,
+            dataset=datasets[run["data"]],
+            layers=args.layers,
+            steps=args.steps,
+            warmup=args.warmup,
+            lr=args.lr,
+            seed=args.seed,
+            precision=precision,
+            peak_tflops=peak,
+            run_dir=str(
+                out
+                / f"run{i:03d}_{run['model']}_{run['data']}_L{run['max_length']}_B{run['batch_size']}_{run['mode']}"
+            ),
+        )
+        t0 = time.perf_counter()
+        result = launch(run, isolate=args.isolate, timeout=args.timeout)
+        result["run"] = run
+        results.append(result)
+        print(
+            f"[{i + 1}/{len(runs)}] {run['model']} {run['data']} L{run['max_length']} B{run['batch_size']} "
+            f"{run['mode']}{' (profile)' if run.get('profile') else ''}: {fmt_cell(result)} "
+            f"({time.perf_counter() - t0:.0f} s)",
+            flush=True,
+        )
+        (out / "results.json").write_text(
+            json.dumps({"header": header, "padding": padding, "results": results}, indent=1)
+        )
+    (out / "results.json").write_text(
+        json.dumps({"header": header, "padding": padding, "results": results}, indent=1)
+    )
+    write_tables(results, padding, header, out / "e2e_tables.md")
+    plots = write_plots(results, padding, Path(args.plots_dir or out))
+    print(f"tables: {out / 'e2e_tables.md'}; plots: {', '.join(plots)}", flush=True)
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,197 @@
+"""Tables and plots of the end-to-end benchmark (scripts/bench_e2e.py's results.json).
+
+``write_tables`` renders the markdown for docs/BENCHMARKS.md (tokens/s and peak memory by batch
+size per mode, MFU and the loss gap to the padded baseline, the data-only padding table, the step
+profiles); ``write_plots`` the PNGs (tokens/s vs batch size, padding efficiency vs batch size, loss
+vs step and vs wall-clock). A result is ``{"status": ..., "run": {...}, metrics...}`` as
+``bench_e2e.run_one`` returns it.
+
+    python scripts/e2e_report.py runs/bench_e2e/results.json --plots-dir docs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def loss_gap(result: dict, baseline: dict | None) -> float | None:
+    """Largest |loss - baseline loss| / baseline loss over the common steps."""
+    if not baseline or baseline.get("status") != "ok" or result.get("status") != "ok":
+        return None
+    pairs = list(zip(result["losses"], baseline["losses"], strict=False))
+    return max(abs(a - b) / abs(b) for a, b in pairs) if pairs else None
+
+
+def fmt_cell(r: dict) -> str:
+    if r.get("status") != "ok":
+        return r.get("status", "?").split(":")[0]
+    if "tokens_per_s" not in r:  # a profiled step
+        return f"profiled step {r['step_ms']:.1f} ms"
+    return f"{r['tokens_per_s'] / 1e3:.1f}K, {r['peak_gib']:.1f} GiB"
+
+
+def write_tables(results: list[dict], padding: list[dict], header: dict, path: Path) -> None:
+    lines = ["## End-to-end training (scripts/bench_e2e.py)", "", "```", json.dumps(header), "```"]
+    groups: dict[tuple, list[dict]] = {}
+    for r in results:
+        if not r["run"].get("profile"):
+            key = (r["run"]["model"], r["run"]["data"], r["run"]["max_length"])
+            groups.setdefault(key, []).append(r)
+    for (model, data, max_length), rs in groups.items():
+        modes = list(dict.fromkeys(r["run"]["mode"] for r in rs))
+        sizes = sorted({r["run"]["batch_size"] for r in rs})
+        cell = {(r["run"]["mode"], r["run"]["batch_size"]): r for r in rs}
+        layers = rs[0]["run"].get("layers")
+        lines += [
+            "",
+            f"### {model}{f' ({layers} layers)' if layers else ''}, {data}, max_length "
+            f"{max_length}: real tokens/s, peak memory",
+            "",
+            "| per-device batch | " + " | ".join(modes) + " |",
+            "|---" * (len(modes) + 1) + "|",
+        ]
+        for b in sizes:
+            row = [fmt_cell(cell.get((m, b), {"status": "-"})) for m in modes]
+            lines.append(f"| {b} | " + " | ".join(row) + " |")
+        lines += [
+            "",
+            "MFU / max relative loss gap to padded_sdpa over the run:",
+            "",
+            "| per-device batch | " + " | ".join(modes) + " |",
+            "|---" * (len(modes) + 1) + "|",
+        ]
+        for b in sizes:
+            base = cell.get(("padded_sdpa", b))
+            row = []
+            for m in modes:
+                r = cell.get((m, b), {})
+                if r.get("status") != "ok":
+                    row.append("-")
+                    continue
+                mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "n/a"
+                gap = loss_gap(r, base)
+                row.append(mfu + (f" / {gap:.1e}" if gap is not None else ""))
+            lines.append(f"| {b} | " + " | ".join(row) + " |")
+    if padding:
+        lines += [
+            "",
+            "### Padding efficiency by batch size (data only: real tokens / tokens of the padded "
+            "batch)",
+            "",
+            "| data | max_length | per-device batch | padded to longest in batch | padded to "
+            "max_length | real tokens per batch |",
+            "|---|---|---|---|---|---|",
+        ]
+        for p in padding:
+            lines.append(
+                f"| {p['data']} | {p['max_length']} | {p['batch_size']} | "
+                f"{p['padded_efficiency']:.1%} | {p['static_efficiency']:.1%} | "
+                f"{p['tokens_per_batch']:.0f} |"
+            )
+    profiles = [r for r in results if r["run"].get("profile") and r.get("status") == "ok"]
+    for r in profiles:
+        run = r["run"]
+        lines += [
+            "",
+            f"### Where one step goes: {run['model']}, {run['mode']}, batch {run['batch_size']} "
+            f"({r['real_tokens']} tokens, step {r['step_ms']:.1f} ms wall; {r['clock']})",
+            "",
+            "| category | ms | share |",
+            "|---|---|---|",
+        ]
+        total = sum(r["by_category_ms"].values()) or 1.0
+        for cat, ms in r["by_category_ms"].items():
+            lines.append(f"| {cat} | {ms:.2f} | {ms / total:.0%} |")
+        lines += ["", "| top kernels | ms | category |", "|---|---|---|"]
+        for ms, cat, name in r["top"][:12]:
+            lines.append(f"| `{name}` | {ms:.2f} | {cat} |")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def write_plots(results: list[dict], padding: list[dict], out_dir: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+
+    def save(fig, name: str) -> None:
+        fig.tight_layout()
+        fig.savefig(out_dir / name)
+        plt.close(fig)
+        paths.append(str(out_dir / name))
+
+    groups: dict[tuple, list[dict]] = {}
+    for r in results:
+        if r.get("status") == "ok" and not r["run"].get("profile"):
+            key = (r["run"]["model"], r["run"]["data"], r["run"]["max_length"])
+            groups.setdefault(key, []).append(r)
+    for (model, data, max_length), rs in groups.items():
+        tag = f"{model}_{data}_L{max_length}"
+        fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=120)
+        for mode in dict.fromkeys(r["run"]["mode"] for r in rs):
+            pts = sorted(
+                (r["run"]["batch_size"], r["tokens_per_s"]) for r in rs if r["run"]["mode"] == mode
+            )
+            ax.plot([p[0] for p in pts], [p[1] / 1e3 for p in pts], "o-", ms=3, label=mode)
+        ax.set_xscale("log", base=2)
+        ax.set(xlabel="per-device batch (examples)", ylabel="real tokens/s (K)")
+        ax.set_title(f"{model}, {data}, max_length {max_length}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        save(fig, f"e2e_tokens_per_s_{tag}.png")
+        # Loss curves: packed modes vs padded at the largest batch that both ran.
+        sizes = sorted({r["run"]["batch_size"] for r in rs if r["run"]["mode"] == "padded_sdpa"})
+        for x_key, name in (("step", "loss_vs_step"), ("elapsed", "loss_vs_time")):
+            if not sizes:
+                break
+            b = sizes[-1]
+            fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=120)
+            for r in rs:
+                if r["run"]["batch_size"] != b:
+                    continue
+                xs = r["elapsed"] if x_key == "elapsed" else list(range(1, len(r["losses"]) + 1))
+                ax.plot(xs, r["losses"], lw=1.1, label=r["run"]["mode"])
+            ax.set(xlabel="wall-clock (s)" if x_key == "elapsed" else "step", ylabel="loss")
+            ax.set_title(f"{model}, {data}, L {max_length}, batch {b}: packed vs padded")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+            save(fig, f"e2e_{name}_{tag}.png")
+    if padding:
+        fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=120)
+        for data, max_length in dict.fromkeys((p["data"], p["max_length"]) for p in padding):
+            pts = [p for p in padding if (p["data"], p["max_length"]) == (data, max_length)]
+            ax.plot(
+                [p["batch_size"] for p in pts],
+                [100 * p["padded_efficiency"] for p in pts],
+                "o-",
+                ms=3,
+                label=f"{data}, L {max_length}",
+            )
+        ax.set_xscale("log", base=2)
+        ax.set(xlabel="per-device batch (examples)", ylabel="real tokens in padded batch (%)")
+        ax.set_title("padding efficiency (packed: 100%)")
+        ax.set_ylim(0, 100)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        save(fig, "e2e_padding_efficiency.png")
+    return paths
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description="Re-render bench_e2e tables and plots")
+    p.add_argument("results", help="results.json written by bench_e2e.py")
+    p.add_argument("--plots-dir", default=None, help="default: next to results.json")
+    args = p.parse_args(argv)
+    path = Path(args.results)
+    data = json.loads(path.read_text())
+    write_tables(data["results"], data["padding"], data["header"], path.parent / "e2e_tables.md")
+    write_plots(data["results"], data["padding"], Path(args.plots_dir or path.parent))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""scripts/bench_e2e.py on CPU: the machinery of the end-to-end benchmark, and the loss-equality
+claim it reports (padded and packed runs over the same examples in the same order give the same
+per-step losses; in fp32 on CPU, equal within fp32 rounding). The GPU numbers come from running
+the script on the GPU machine (docs/BENCHMARKS.md); this only checks that it measures correctly."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import bench_e2e  # noqa: E402
+
+COMMON = ["--models", "tiny-llama", "--data", "builtin", "--tokenizer", "bytes"]
+COMMON += ["--max-lengths", "256", "--steps", "4", "--warmup", "1"]
+
+
+def _by_mode(results, batch_size):
+    return {
+        r["run"]["mode"]: r
+        for r in results
+        if r["run"]["batch_size"] == batch_size and not r["run"].get("profile")
+    }
+
+
+@pytest.mark.slow
+def test_modes_train_identical_examples_with_equal_losses(tmp_path):
+    pytest.importorskip("matplotlib")
+    modes = "padded_sdpa,packed_sdpa,hf_varlen,hf_varlen-loss,minimal_varlen"
+    results = bench_e2e.main(
+        COMMON
+        + ["--batch-sizes", "1,8", "--modes", modes, "--out", str(tmp_path), "--no-isolate"]
+        + ["--profile", "--profile-batch", "4"]
+    )
+    for b in (1, 8):
+        runs = _by_mode(results, b)
+        assert runs["minimal_varlen"]["status"].startswith("skipped: torch varlen_attn needs CUDA")
+        base = runs["padded_sdpa"]
+        assert base["status"] == "ok" and len(base["losses"]) == 4
+        if b == 1:  # one example per batch: nothing to pad
+            assert base["padding_efficiency"] == 1.0
+        for mode in ("packed_sdpa", "hf_varlen", "hf_varlen-loss"):
+            r = runs[mode]
+            assert r["status"] == "ok", (mode, r["status"])
+            assert r["padding_efficiency"] == 1.0 and r["tokens_per_s"] > 0
+            torch.testing.assert_close(
+                torch.tensor(r["losses"]), torch.tensor(base["losses"]), rtol=2e-6, atol=0
+            )
+        assert runs["hf_varlen"]["tokens_per_step"] == pytest.approx(
+            runs["padded_sdpa"]["tokens_per_step"]
+        )
+    assert _by_mode(results, 8)["padded_sdpa"]["padding_efficiency"] < 1.0
+    # On CPU the fused kernels are off ("auto"); the loss alone is fused in hf_varlen.
+    assert "cross_entropy" in _by_mode(results, 8)["hf_varlen"]["kernels"]
+    assert "off" in _by_mode(results, 8)["hf_varlen-loss"]["kernels"]
+
+    (profiled,) = [r for r in results if r["run"].get("profile")]
+    assert profiled["status"] == "ok" and profiled["by_category_ms"]["matmul"] > 0
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert len(saved["results"]) == len(results) and saved["header"]["torch"] == torch.__version__
+    assert {p["batch_size"]: p["padded_efficiency"] for p in saved["padding"]}[1] == 1.0
+    tables = (tmp_path / "e2e_tables.md").read_text()
+    assert "| 8 | " in tables and "Padding efficiency by batch size" in tables
+    assert "Where one step goes" in tables
+    for name in ("e2e_tokens_per_s", "e2e_loss_vs_step", "e2e_loss_vs_time"):
+        assert (tmp_path / f"{name}_tiny-llama_builtin_L256.png").stat().st_size > 0
+    assert (tmp_path / "e2e_padding_efficiency.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_isolated_runs_report_status(tmp_path):
+    """The default: every configuration in its own process; results come back as JSON."""
+    results = bench_e2e.main(
+        COMMON
+        + ["--batch-sizes", "2", "--modes", "packed_sdpa", "--out", str(tmp_path), "--steps", "2"]
+    )
+    (r,) = results
+    assert r["status"] == "ok" and len(r["losses"]) == 2
+    assert json.loads(Path(r["run"]["run_dir"], "result.json").read_text())["status"] == "ok"
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(SystemExit):
+        bench_e2e.parse_args(["--modes", "no-such-mode"])
+    with pytest.raises(SystemExit):
+        bench_e2e.parse_args(["--steps", "3", "--warmup", "3"])
+
+
+def test_every_mode_maps_to_a_valid_train_config():
+    run = dict(
+        model="tiny-llama", tokenizer="bytes", dataset="builtin", max_length=64, batch_size=2,
+        steps=2, lr=1e-3, precision="fp32", seed=0, run_dir="unused", peak_tflops=None,
+    )  # fmt: skip
+    for mode in bench_e2e.MODES:
+        for device in ("cpu", "cuda"):
+            bench_e2e.train_config({**run, "mode": mode}, device).validate()
