@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# The GPU evidence the issues ask for, in stages that each fit one 10-minute call on the H200
+# machine (../shared/docs/GPU.md). Run from the repository root with `.gpu-wheels/base` carried
+# (`bash ../shared/tools/gpu_wheels.sh` makes it); results and logs go to OUT_DIR.
+#
+#   bash scripts/gpu_evidence.sh tests     OUT_DIR   # pytest -m gpu, file by file
+#   bash scripts/gpu_evidence.sh kernels   OUT_DIR   # bench_rope / glu / rmsnorm / loss
+#   bash scripts/gpu_evidence.sh attention OUT_DIR   # bench_attention, all cases and head configs
+#   bash scripts/gpu_evidence.sh e2e       OUT_DIR   # bench_e2e: 1B table + step profiles
+#   bash scripts/gpu_evidence.sh train     OUT_DIR   # hf-varlen train: packed vs padded vs accelerate
+#
+# `train` and `e2e` read the shared data from runs/shared (carry it): alpaca_5000.json, lima.json
+# and the qwen2 tokenizer folder. FA4 joins `attention` when it is importable (GPU.md's two calls).
+# Every step has its own timeout, so a slow one never hides the others' results.
+set -uo pipefail
+stage=${1:?stage: tests|kernels|attention|e2e|train}
+out=${2:?OUT_DIR}
+mkdir -p "$out"
+if ! python3 -c "import kernels, trl" 2>/dev/null && [ -d .gpu-wheels/base ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .gpu-wheels/base/*.whl
+fi
+export PYTHONPATH="/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+data=runs/shared
+
+step() {  # step NAME SECONDS CMD...: run with a timeout, log to OUT_DIR/NAME.log, print the tail
+    local name=$1 secs=$2
+    shift 2
+    echo "== $name (timeout ${secs}s)"
+    timeout "$secs" "$@" >"$out/$name.log" 2>&1
+    echo "   rc=$?"
+    tail -n 8 "$out/$name.log"
+}
+
+case "$stage" in
+tests)
+    for f in tests/test_triton_attention.py tests/test_backends_gpu.py tests/test_rope.py \
+        tests/test_glu.py tests/test_rmsnorm.py tests/test_cross_entropy.py \
+        tests/test_kernelize.py tests/test_hub_kernel.py; do
+        step "pytest_$(basename "$f" .py)" 240 python3 -m pytest -q -m gpu -x "$f"
+    done
+    ;;
+kernels)
+    step bench_rope 150 python3 scripts/bench_rope.py --json "$out/rope.json"
+    step bench_glu 150 python3 scripts/bench_glu.py --json "$out/glu.json"
+    step bench_rmsnorm 120 python3 scripts/bench_rmsnorm.py --json "$out/rmsnorm.json"
+    step bench_loss 170 python3 scripts/bench_loss.py --time-budget 150 --json "$out/loss.json"
+    ;;
+attention)
+    step bench_attention 560 python3 scripts/bench_attention.py --heads all \
+        --json "$out/attn.json"
+    ;;
+e2e)
+    step bench_e2e 560 python3 scripts/bench_e2e.py --out "$out/e2e" --plots-dir "$out/e2e" \
+        --tokenizer "$data/qwen2" --alpaca "$data/alpaca_5000.json" --lima "$data/lima.json" \
+        --steps 20 --warmup 5 --timeout 120 --profile
+    ;;
+train)
+    common=(--model llama-1b --tokenizer "$data/qwen2" --dataset "$data/alpaca_5000.json"
+        --max-length 1024 --tokens-per-batch 16384 --max-steps 30 --no-progress --no-save-final)
+    step train_packed 150 python3 -m hf_varlen.cli train "${common[@]}" --output-dir "$out/packed"
+    step train_padded 150 python3 -m hf_varlen.cli train "${common[@]}" --padded \
+        --output-dir "$out/padded"
+    step train_accelerate 180 accelerate launch --num_processes 1 -m hf_varlen.cli train \
+        "${common[@]}" --output-dir "$out/accelerate"
+    ;;
+*)
+    echo "unknown stage $stage" >&2
+    exit 2
+    ;;
+esac
