@@ -100,3 +100,57 @@ def test_every_mode_maps_to_a_valid_train_config():
     for mode in bench_e2e.MODES:
         for device in ("cpu", "cuda"):
             bench_e2e.train_config({**run, "mode": mode}, device).validate()
+
+
+@pytest.mark.parametrize("gqa_flag", [True, False])
+def test_minimal_varlen_adapter_matches_padded(monkeypatch, gqa_flag):
+    """The floor mode's adapter (CUDA-only in real runs) over a stand-in ``varlen_attn`` with the
+    torch 2.13 (enable_gqa) or 2.11 (no flag: KV expanded) signature: same loss as padded sdpa."""
+    import torch.nn.attention.varlen as varlen_mod
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import hf_varlen
+    from hf_varlen.reference.attention import attention_reference
+
+    calls = []
+
+    def causal_window(window_size):
+        assert tuple(window_size) == (-1, 0)  # torch varlen_attn's causal spelling
+        calls.append(window_size)
+
+    if gqa_flag:
+
+        def fake(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
+                 enable_gqa=False):  # fmt: skip
+            causal_window(window_size)
+            assert enable_gqa
+            return attention_reference(q, k, v, cu_q, cu_k, softmax_scale=scale)
+    else:
+
+        def fake(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
+            causal_window(window_size)
+            assert q.shape[1] == k.shape[1]  # KV heads were expanded
+            return attention_reference(q, k, v, cu_q, cu_k, softmax_scale=scale)
+
+    monkeypatch.setattr(varlen_mod, "varlen_attn", fake)
+    bench_e2e.register_minimal_attention()
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, use_cache=False,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config).eval()
+    docs = [torch.randint(0, 64, (n,)) for n in (5, 9, 3)]
+    packed = hf_varlen.PackingCollator()([{"input_ids": d.tolist()} for d in docs])
+    model.set_attn_implementation(bench_e2e.MINIMAL_ATTN)
+    loss_packed = model(**packed).loss
+    assert len(calls) == config.num_hidden_layers
+    model.set_attn_implementation("sdpa")
+    width = max(len(d) for d in docs)
+    ids = torch.zeros(len(docs), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    labels = torch.full_like(ids, -100)
+    for i, d in enumerate(docs):
+        ids[i, : len(d)], mask[i, : len(d)], labels[i, : len(d)] = d, 1, d
+    loss_padded = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    torch.testing.assert_close(loss_packed, loss_padded)
