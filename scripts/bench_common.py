@@ -72,3 +72,39 @@ def time_ms(fn, *, min_runs: int = 10, min_total_ms: float = 60.0) -> float:
         times.append(start.elapsed_time(end))
     times.sort()
     return times[len(times) // 2]
+
+
+def _fmt(x, spec=".2f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def print_provider_report(title: str, key: str, note: str, head: dict, results, int_vs_long):
+    """The provider and int32-vs-LONG_INDEXING tables shared by bench_glu / bench_rmsnorm.
+
+    ``key`` names the row field that tells variants apart ("act", "style"); rows are the dicts
+    those scripts build (provider, dir, ms, GB/s, pct_peak, speedups, fwd_match)."""
+    print(f"## {title}\n")
+    print(", ".join(f"{k}: {v}" for k, v in head.items()))
+    print(f"\nbf16; % of {PEAK_BYTES_PER_S / 1e12:.1f} TB/s; {note}\n")
+    print(f"| {key} | T | dir | provider | ms | GB/s | % peak | vs eager | vs Liger | fwd match |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        if "skipped" in r:
+            print(f"| {r[key]} | {r['T']} | - | {r['provider']} | {r['skipped']} |||||")
+            continue
+        print(
+            f"| {r[key]} | {r['T']} | {r['dir']} | {r['provider']} | {r['ms']:.3f} | "
+            f"{r['GB/s']:.0f} | {r['pct_peak']:.1f} | {_fmt(r['speedup_vs_eager'])}x | "
+            f"{_fmt(r['speedup_vs_liger'])}x | {'ok' if r['fwd_match'] else 'FAIL'} |"
+        )
+    if int_vs_long:
+        print(f"\n| {key} | T | path | fwd ms | bwd ms |\n|---|---|---|---|---|")
+        for r in int_vs_long:
+            path = "LONG_INDEXING (forced)" if r["long_indexing"] else "int32"
+            print(f"| {r[key]} | {r['T']} | {path} | {r['fwd_ms']:.3f} | {r['bwd_ms']:.3f} |")
+
+
+def print_match_failures(key: str, results) -> None:
+    for r in results:
+        if r.get("fwd_match") is False:
+            print(f"MATCH FAIL {r[key]} T={r['T']} {r['provider']}: {r['match_msg']}")

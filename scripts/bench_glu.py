@@ -25,7 +25,13 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_common import PEAK_BYTES_PER_S, run_header, time_ms  # noqa: E402
+from bench_common import (  # noqa: E402
+    PEAK_BYTES_PER_S,
+    print_match_failures,
+    print_provider_report,
+    run_header,
+    time_ms,
+)
 
 from hf_varlen.ops import glu  # noqa: E402
 from hf_varlen.reference.glu import geglu_reference, swiglu_reference  # noqa: E402
@@ -172,30 +178,10 @@ def bench_sweep(act: str, n_tok: int, n_ff: int) -> list[dict]:
     return rows
 
 
-def _fmt(x, spec=".2f"):
-    return "-" if x is None else format(x, spec)
-
-
 def print_report(head: dict, results, int_vs_long, sweep) -> None:
-    print("## GLU activation benchmark\n")
-    print(", ".join(f"{k}: {v}" for k, v in head.items()))
-    print(f"\nbf16; % of {PEAK_BYTES_PER_S / 1e12:.1f} TB/s; fwd bytes 3TF*2, bwd 5TF*2\n")
-    print("| act | T | dir | provider | ms | GB/s | % peak | vs eager | vs Liger | fwd match |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for r in results:
-        if "skipped" in r:
-            print(f"| {r['act']} | {r['T']} | - | {r['provider']} | {r['skipped']} |||||")
-            continue
-        print(
-            f"| {r['act']} | {r['T']} | {r['dir']} | {r['provider']} | {r['ms']:.3f} | "
-            f"{r['GB/s']:.0f} | {r['pct_peak']:.1f} | {_fmt(r['speedup_vs_eager'])}x | "
-            f"{_fmt(r['speedup_vs_liger'])}x | {'ok' if r['fwd_match'] else 'FAIL'} |"
-        )
-    if int_vs_long:
-        print("\n| act | T | path | fwd ms | bwd ms |\n|---|---|---|---|---|")
-        for r in int_vs_long:
-            path = "LONG_INDEXING (forced)" if r["long_indexing"] else "int32"
-            print(f"| {r['act']} | {r['T']} | {path} | {r['fwd_ms']:.3f} | {r['bwd_ms']:.3f} |")
+    print_provider_report(
+        "GLU activation benchmark", "act", "fwd bytes 3TF*2, bwd 5TF*2", head, results, int_vs_long
+    )
     if sweep:
         print("\n| act | T | BLOCK | warps | fwd ms | fwd % | bwd ms | bwd % |")
         print("|---|---|---|---|---|---|---|---|")
@@ -204,9 +190,7 @@ def print_report(head: dict, results, int_vs_long, sweep) -> None:
                 f"| {r['act']} | {r['T']} | {r['block']} | {r['num_warps']} | {r['fwd_ms']:.3f} | "
                 f"{r['fwd_pct_peak']:.1f} | {r['bwd_ms']:.3f} | {r['bwd_pct_peak']:.1f} |"
             )
-    failed = [r for r in results if r.get("fwd_match") is False]
-    for r in failed:
-        print(f"MATCH FAIL {r['act']} T={r['T']} {r['provider']}: {r['match_msg']}")
+    print_match_failures("act", results)
 
 
 def main() -> None:

@@ -25,7 +25,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_common import PEAK_BYTES_PER_S, run_header, time_ms  # noqa: E402
+from bench_common import (  # noqa: E402
+    PEAK_BYTES_PER_S,
+    _fmt,
+    print_match_failures,
+    print_provider_report,
+    run_header,
+    time_ms,
+)
 
 from hf_varlen.ops import rmsnorm  # noqa: E402
 from hf_varlen.reference.rmsnorm import rms_norm_reference  # noqa: E402
@@ -178,30 +185,10 @@ def bench_sweep(style: str, n_tok: int, hidden: int) -> list[dict]:
     return rows
 
 
-def _fmt(x, spec=".2f"):
-    return "-" if x is None else format(x, spec)
-
-
 def print_report(head: dict, results, int_vs_long, sweep) -> None:
-    print("## RMSNorm benchmark\n")
-    print(", ".join(f"{k}: {v}" for k, v in head.items()))
-    print(f"\nbf16; % of {PEAK_BYTES_PER_S / 1e12:.1f} TB/s; fwd bytes 2TH*2, bwd 3TH*2\n")
-    print("| style | T | dir | provider | ms | GB/s | % peak | vs eager | vs Liger | fwd match |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for r in results:
-        if "skipped" in r:
-            print(f"| {r['style']} | {r['T']} | - | {r['provider']} | {r['skipped']} |||||")
-            continue
-        print(
-            f"| {r['style']} | {r['T']} | {r['dir']} | {r['provider']} | {r['ms']:.3f} | "
-            f"{r['GB/s']:.0f} | {r['pct_peak']:.1f} | {_fmt(r['speedup_vs_eager'])}x | "
-            f"{_fmt(r['speedup_vs_liger'])}x | {'ok' if r['fwd_match'] else 'FAIL'} |"
-        )
-    if int_vs_long:
-        print("\n| style | T | path | fwd ms | bwd ms |\n|---|---|---|---|---|")
-        for r in int_vs_long:
-            path = "LONG_INDEXING (forced)" if r["long_indexing"] else "int32"
-            print(f"| {r['style']} | {r['T']} | {path} | {r['fwd_ms']:.3f} | {r['bwd_ms']:.3f} |")
+    print_provider_report(
+        "RMSNorm benchmark", "style", "fwd bytes 2TH*2, bwd 3TH*2", head, results, int_vs_long
+    )
     if sweep:
         print("\n| style | T | dir | warps | programs/SM | ms | % peak |")
         print("|---|---|---|---|---|---|---|")
@@ -210,9 +197,7 @@ def print_report(head: dict, results, int_vs_long, sweep) -> None:
                 f"| {r['style']} | {r['T']} | {r['dir']} | {r['num_warps']} | "
                 f"{_fmt(r['programs_per_sm'], 'd')} | {r['ms']:.3f} | {r['pct_peak']:.1f} |"
             )
-    for r in results:
-        if r.get("fwd_match") is False:
-            print(f"MATCH FAIL {r['style']} T={r['T']} {r['provider']}: {r['match_msg']}")
+    print_match_failures("style", results)
 
 
 def main() -> None:

@@ -74,6 +74,9 @@ def write_tables(results: list[dict], padding: list[dict], header: dict, path: P
                 gap = loss_gap(r, base)
                 row.append(mfu + (f" / {gap:.1e}" if gap is not None else ""))
             lines.append(f"| {b} | " + " | ".join(row) + " |")
+        # What each mode really ran with (on a CPU the layer kernels are off, for instance).
+        ran = {r["run"]["mode"]: r["kernels"] for r in rs if r.get("status") == "ok"}
+        lines += ["", "Kernels per mode: " + "; ".join(f"{m}: {k}" for m, k in ran.items())]
     if padding:
         lines += [
             "",

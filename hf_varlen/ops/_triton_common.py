@@ -1,6 +1,8 @@
 """Small pieces shared by the Triton kernels in hf_varlen/ops (torch + triton only).
 
 ``INTERPRET``: kernels run under the numpy interpreter (TRITON_INTERPRET=1, read at import).
+``as_rows`` / ``rows_need_int64``: the (R, C) row view the row-wise kernels (GLU, RMSNorm) launch
+over, and whether its offsets ``row * stride + col`` can pass int32 (their LONG_INDEXING switch).
 ``round_to``: cast fp32 to a storage dtype, rounding to nearest even as a GPU cast does. Triton 3.9's
 interpreter truncates fp32 -> bf16 instead; only there is the rounding done by hand, so CPU tests
 check the GPU's rounding. On a GPU the branch is compiled out.
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import os
 
+import torch
 import triton
 import triton.language as tl
 
@@ -17,6 +20,23 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 INT32_LIMIT = 2**31 - 1
 
 _RTNE_BF16_BY_HAND = tl.constexpr(INTERPRET)
+
+
+def as_rows(t: torch.Tensor) -> torch.Tensor:
+    """(R, C) view of a (..., C) tensor with unit column stride; copies only when it must."""
+    n_cols = t.shape[-1]
+    if t.stride(-1) != 1 and n_cols > 1:
+        t = t.contiguous()
+    try:
+        return t.view(-1, n_cols)
+    except RuntimeError:  # leading dims that cannot be merged into one row stride
+        return t.reshape(-1, n_cols)
+
+
+def rows_need_int64(n_rows: int, padded_cols: int, row_strides: list[int]) -> bool:
+    """True when some offset row * stride + col can pass int32 (masked lanes of the last block
+    included, hence ``padded_cols``)."""
+    return any((n_rows - 1) * s + padded_cols - 1 > INT32_LIMIT for s in row_strides)
 
 
 @triton.jit

@@ -61,7 +61,6 @@ from ._triton_common import round_to as _round
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _REDUCTIONS = ("sum", "mean", "none")
 _BACKENDS = ("auto", "triton", "torch")
-_INT32_LIMIT = INT32_LIMIT
 # Logits-buffer budget per chunk: large enough that cuBLAS runs at full speed (C >= 2K rows), small
 # next to what HF materialises (V x N x 10 bytes and more).
 _CHUNK_BYTES = {"cuda": 1 << 30}
@@ -211,7 +210,7 @@ def ce_rows_triton(
     if logits.stride(1) != 1:
         raise ValueError(f"logits: expected a unit last-dim stride, got strides {logits.stride()}")
     block = block_v or min(4096, triton.next_power_of_2(vocab))
-    long_indexing = (n_rows - 1) * logits.stride(0) + vocab > _INT32_LIMIT
+    long_indexing = (n_rows - 1) * logits.stride(0) + vocab > INT32_LIMIT
     _ce_rows_kernel[(n_rows,)](
         logits,
         logits.stride(0),

@@ -37,11 +37,12 @@ import triton.language as tl
 
 from ._triton_common import INT32_LIMIT
 from ._triton_common import INTERPRET as _INTERPRET
+from ._triton_common import as_rows as _rows
 from ._triton_common import round_to as _round
+from ._triton_common import rows_need_int64 as _needs_long_indexing
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
-_INT32_LIMIT = INT32_LIMIT
 
 _SQRT1_2 = tl.constexpr(0.7071067811865476)  # 1 / sqrt(2)
 _INV_SQRT_2PI = tl.constexpr(0.3989422804014327)  # 1 / sqrt(2 pi)
@@ -164,33 +165,17 @@ def _glu_bwd_kernel(
 # ----------------------------------------------------------------------------------------------
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """(R, F) view of a (..., F) tensor with unit column stride; copies only when it must."""
-    n_cols = t.shape[-1]
-    if t.stride(-1) != 1 and n_cols > 1:
-        t = t.contiguous()
-    try:
-        return t.view(-1, n_cols)
-    except RuntimeError:  # leading dims that cannot be merged into one row stride
-        return t.reshape(-1, n_cols)
-
-
 def _config(n_cols: int) -> tuple[int, int]:
     """Default (BLOCK, num_warps) for rows of n_cols elements: 8 elements per thread."""
     block = min(triton.next_power_of_2(n_cols), 2048)
     return block, max(1, block // 256)
 
 
-def _needs_long_indexing(n_rows: int, padded_cols: int, row_strides: list[int]) -> bool:
-    """True when some offset row * stride + col can pass int32 (masked lanes included)."""
-    return any((n_rows - 1) * s + padded_cols - 1 > _INT32_LIMIT for s in row_strides)
-
-
 def _launch_geometry(n_rows: int, n_cols: int, block: int | None, num_warps: int | None):
     default_block, default_warps = _config(n_cols)
     block, num_warps = block or default_block, num_warps or default_warps
     n_col_blocks = triton.cdiv(n_cols, block)
-    if n_rows * n_col_blocks > _INT32_LIMIT:
+    if n_rows * n_col_blocks > INT32_LIMIT:
         raise ValueError(
             f"glu: {n_rows} rows x {n_col_blocks} column blocks exceed the launch grid limit 2^31-1"
         )

@@ -26,12 +26,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_common import INT32_LIMIT
 from ._triton_common import INTERPRET as _INTERPRET
+from ._triton_common import as_rows as _rows
 from ._triton_common import round_to as _round
+from ._triton_common import rows_need_int64 as _needs_long_indexing
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_INT32_LIMIT = INT32_LIMIT
 _MAX_HIDDEN = 65536  # one row lives in registers
 _MAX_PREFETCH_BLOCK = 8192  # wider rows cannot double-buffer in registers without spilling
 
@@ -144,26 +144,10 @@ def _rms_norm_bwd_kernel(
 # ----------------------------------------------------------------------------------------------
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """(R, H) view of a (..., H) tensor with unit column stride; copies only when it must."""
-    n_cols = t.shape[-1]
-    if t.stride(-1) != 1 and n_cols > 1:
-        t = t.contiguous()
-    try:
-        return t.view(-1, n_cols)
-    except RuntimeError:  # leading dims that cannot be merged into one row stride
-        return t.reshape(-1, n_cols)
-
-
 def _block_and_warps(n_cols: int, num_warps: int | None) -> tuple[int, int]:
     """One row per block, ~16 elements per thread (no register spills up to H = 8192)."""
     block = triton.next_power_of_2(n_cols)
     return block, num_warps or max(1, min(32, block // 512))
-
-
-def _needs_long_indexing(n_rows: int, block: int, row_strides: list[int]) -> bool:
-    """True when some offset row * stride + col can pass int32 (masked lanes included)."""
-    return any((n_rows - 1) * s + block - 1 > _INT32_LIMIT for s in row_strides)
 
 
 def _num_programs(

@@ -50,10 +50,11 @@ import triton
 import triton.language as tl
 from torch.autograd.graph import increment_version
 
+from ._triton_common import INT32_LIMIT
+
 __all__ = ["apply_rotary_qk", "rotary_pos_emb"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_INT32_LIMIT = 2**31 - 1
 _POS_GATHERED, _POS_IDS, _POS_CU = 0, 1, 2
 
 
@@ -312,7 +313,7 @@ def _needs_long_indexing(xs, cs, pos_mode, batch, seqlen, cfg, block_half, block
         worst = off if off > worst else worst
     if pos_mode == _POS_CU:
         worst = max(worst, (batch + 1) * seqlen + cfg.block_t)
-    return worst >= _INT32_LIMIT
+    return worst >= INT32_LIMIT
 
 
 def _launch(q, k, q_out, k_out, cos, sin, pos, cu, st: _Static, *, conjugate: bool,
