@@ -1,6 +1,8 @@
-"""The ``hf-varlen`` console script: ``hf-varlen train [options]`` trains (see
-``hf-varlen train --help``); ``hf-varlen plot RUN_DIR [RUN_DIR ...]`` overlays the loss and
-throughput curves of finished runs (``--labels packed,padded --out DIR``).
+"""The ``hf-varlen`` console script.
+
+hf-varlen train [options]            # train (hf-varlen train --help; hf_varlen.training)
+accelerate launch [--config_file scripts/accelerate/X.yaml] -m hf_varlen.cli train [options]
+hf-varlen plot RUN_DIR [RUN_DIR ...] # overlay loss / throughput curves (--labels, --out)
 """
 
 from __future__ import annotations
@@ -26,6 +28,16 @@ def _plot(argv: list[str]) -> None:
         print(path)
 
 
+def _train(argv: list[str]) -> dict:
+    """Parse the flags after ``train``, run, and return the summary."""
+    import logging
+
+    from .training import parse_args, run
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    return run(parse_args(argv))
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     commands = {"train": "train a model (packed, padding-free)", "plot": "plot finished runs"}
@@ -40,9 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[0] == "plot":
         _plot(argv[1:])
         return 0
-    from .train import main as train_main
-
-    train_main(argv[1:])
+    _train(argv[1:])
     return 0
 
 

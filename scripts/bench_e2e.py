@@ -1,7 +1,7 @@
 """End-to-end training benchmark: tokens/s, peak memory, MFU and loss curves by per-device batch size.
 
-Every measurement is a short ``hf-varlen train`` run (``hf_varlen.training.Trainer``, the same loop,
-data pipeline and metrics users get), one configuration per subprocess so that process-wide
+Every measurement is a short ``hf-varlen train`` run (``hf_varlen.training.PackedTrainer``, the
+same loop, data pipeline and metrics users get), one configuration per subprocess so that process-wide
 patches (kernel-hub RoPE, Liger) never leak into the next mode. Batches are ``--batch-size B``
 examples (the seed's per-device batch), consecutive in one seeded shuffle, so every mode trains on
 identical examples in identical order.
@@ -158,7 +158,7 @@ def run_one(run: dict) -> dict:
     """Train one configuration; return its metrics (``status`` "ok", "OOM" or "skipped: why")."""
     import torch
 
-    from hf_varlen.training import Trainer
+    from hf_varlen.training import PackedTrainer
 
     register_minimal_attention()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -166,7 +166,7 @@ def run_one(run: dict) -> dict:
         return {"status": f"skipped: {why}"}
     hook = liger_hook if MODES[run["mode"]].get("liger") else None
     try:
-        trainer = Trainer(train_config(run, device), model_hook=hook)
+        trainer = PackedTrainer(train_config(run, device), model_hook=hook)
         if run.get("profile"):
             return profile_step(trainer, run)
         trainer.run()

@@ -18,10 +18,11 @@ import numpy as np
 import pytest
 import torch
 
+from hf_varlen.ops.common import IGNORE_INDEX
 from hf_varlen.testing import assert_numerics
-from hf_varlen.training import TrainConfig, Trainer
+from hf_varlen.training import PackedTrainer, TrainConfig
 from hf_varlen.training.builtin import byte_tokenizer
-from hf_varlen.training.data import IGNORE_INDEX, tokenize
+from hf_varlen.training.data import tokenize
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,11 +53,11 @@ def sgd(tmp_path, **overrides) -> TrainConfig:
     )
 
 
-def params(trainer: Trainer) -> dict[str, torch.Tensor]:
+def params(trainer: PackedTrainer) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in trainer.model.named_parameters()}
 
 
-def one_step_grads(trainer: Trainer, group: list[list[int]]) -> tuple[float, dict]:
+def one_step_grads(trainer: PackedTrainer, group: list[list[int]]) -> tuple[float, dict]:
     """Run one optimizer step; return its logged loss and the gradients the optimizer saw."""
     grads: dict[str, torch.Tensor] = {}
 
@@ -93,8 +94,8 @@ def reference_loss_and_grads(model, examples, idx, dtype):
 
 def test_grad_accum_2x4_equals_1x8_equals_unpacked_reference(tmp_path):
     idx = list(range(8))
-    ga = Trainer(sgd(tmp_path, grad_accum=2, tokens_per_batch=2048))
-    full = Trainer(sgd(tmp_path, grad_accum=1, tokens_per_batch=2048))
+    ga = PackedTrainer(sgd(tmp_path, grad_accum=2, tokens_per_batch=2048))
+    full = PackedTrainer(sgd(tmp_path, grad_accum=1, tokens_per_batch=2048))
     model0 = copy.deepcopy(full.model)
     examples = full.train_ex
     lens = examples.lengths[idx]
@@ -114,8 +115,8 @@ def test_grad_accum_2x4_equals_1x8_equals_unpacked_reference(tmp_path):
 
 def test_padded_baseline_matches_packed(tmp_path):
     group = [[0, 1, 2, 3, 4, 5]]
-    packed = Trainer(sgd(tmp_path))
-    padded = Trainer(sgd(tmp_path, padded=True))
+    packed = PackedTrainer(sgd(tmp_path))
+    padded = PackedTrainer(sgd(tmp_path, padded=True))
     assert padded.model.config._attn_implementation == "sdpa"
     mb_packed, mb_padded = packed.batcher(group[0]), padded.batcher(group[0])
     assert mb_packed.inputs["input_ids"].shape[0] == 1
@@ -138,7 +139,7 @@ def test_batch_size_mode_padded_and_packed_curves_match(tmp_path):
             tmp_path / str(padded), tokens_per_batch=None, batch_size=6, padded=padded,
             max_steps=4, lr=1e-3, warmup_steps=0,
         )  # fmt: skip
-        trainer = Trainer(cfg)
+        trainer = PackedTrainer(cfg)
         groups = list(trainer.sampler)
         assert all(len(g) == 6 for g in groups[:-1]) and 1 <= len(groups[-1]) <= 6
         runs[padded] = (groups, [r["loss"] for r in _records(trainer.run())])
@@ -155,14 +156,14 @@ def _records(summary) -> list[dict]:
 
 
 def test_fused_loss_toggle_is_independent_of_layer_kernels(tmp_path):
-    trainer = Trainer(tiny(tmp_path, fused_kernels="off", fused_loss="on", max_steps=1))
+    trainer = PackedTrainer(tiny(tmp_path, fused_kernels="off", fused_loss="on", max_steps=1))
     assert "cross_entropy x1" in trainer.kernels and "layer kernels off" in trainer.kernels
     assert trainer.eval_kwargs == {"fused_loss": True}
-    assert "off" in Trainer(tiny(tmp_path, fused_loss="off", max_steps=1)).kernels
+    assert "off" in PackedTrainer(tiny(tmp_path, fused_loss="off", max_steps=1)).kernels
 
 
 def test_dummy_batch_adds_exact_zero(tmp_path):
-    trainer = Trainer(sgd(tmp_path))
+    trainer = PackedTrainer(sgd(tmp_path))
     loss, grads = one_step_grads(trainer, [[]])
     assert loss == 0.0 or np.isnan(loss)
     assert all(torch.count_nonzero(g) == 0 for g in grads.values())
@@ -170,10 +171,10 @@ def test_dummy_batch_adds_exact_zero(tmp_path):
 
 def test_resume_is_bit_identical(tmp_path):
     common = dict(grad_accum=2, max_steps=8, eval_split=0.1, eval_every=2)
-    straight = Trainer(tiny(tmp_path, output_dir=str(tmp_path / "a"), save_every=3, **common))
+    straight = PackedTrainer(tiny(tmp_path, output_dir=str(tmp_path / "a"), save_every=3, **common))
     assert 2 * 3 < len(straight.sampler) < 2 * 8  # resumes mid-epoch 0, then crosses into epoch 1
     straight.run()
-    resumed = Trainer(
+    resumed = PackedTrainer(
         tiny(
             tmp_path,
             output_dir=str(tmp_path / "b"),
@@ -197,17 +198,17 @@ def test_resume_is_bit_identical(tmp_path):
 
 
 def test_resume_refuses_other_data_order(tmp_path):
-    Trainer(tiny(tmp_path, max_steps=2, save_every=2)).run()
+    PackedTrainer(tiny(tmp_path, max_steps=2, save_every=2)).run()
     assert (tmp_path / "run" / "checkpoint-2" / "trainer_state.json").exists()
     with pytest.raises(ValueError, match="tokens_per_batch: checkpoint 512 vs now 1024"):
-        Trainer(tiny(tmp_path, max_steps=4, tokens_per_batch=1024, resume="latest"))
+        PackedTrainer(tiny(tmp_path, max_steps=4, tokens_per_batch=1024, resume="latest"))
 
 
 def test_gradient_checkpointing_gives_the_same_step(tmp_path):
     group = [[0, 1, 2], [3, 4]]
-    loss, grads = one_step_grads(Trainer(sgd(tmp_path, grad_accum=2)), group)
+    loss, grads = one_step_grads(PackedTrainer(sgd(tmp_path, grad_accum=2)), group)
     loss_gc, grads_gc = one_step_grads(
-        Trainer(sgd(tmp_path, grad_accum=2, gradient_checkpointing=True)), group
+        PackedTrainer(sgd(tmp_path, grad_accum=2, gradient_checkpointing=True)), group
     )
     assert loss_gc == loss
     for k in grads:
@@ -336,14 +337,14 @@ def test_bad_config_fails_before_training(tmp_path, monkeypatch, overrides, erro
             importlib.util, "find_spec", lambda name, *a: None if name == "peft" else real(name, *a)
         )
     started = []
-    monkeypatch.setattr(Trainer, "train_step", lambda self, group: started.append(1))
+    monkeypatch.setattr(PackedTrainer, "train_step", lambda self, group: started.append(1))
     with pytest.raises(error, match=pattern):
-        Trainer(tiny(tmp_path, **overrides)).run()
+        PackedTrainer(tiny(tmp_path, **overrides)).run()
     assert not started
 
 
 def test_lora_trains_adapters_only(tmp_path):
-    trainer = Trainer(tiny(tmp_path, lora=True, lora_r=4, max_steps=2))
+    trainer = PackedTrainer(tiny(tmp_path, lora=True, lora_r=4, max_steps=2))
     summary = trainer.run()
     assert 0 < summary["trainable"] < summary["params"] / 5
     assert np.isfinite(summary["loss_last"])

@@ -1,4 +1,12 @@
-"""The accelerate-launched trainer behind ``hf-varlen train`` (see ``hf_varlen.train``).
+"""``hf-varlen train``: packed, padding-free fine-tuning of a Hugging Face causal LM.
+
+    hf-varlen train                                   # tiny model, built-in data, < 1 min on CPU
+    hf-varlen train --model Qwen/Qwen2.5-0.5B --dataset data.jsonl --format chat
+    accelerate launch --num_processes 2 -m hf_varlen.cli train ...    # several processes / GPUs
+    accelerate launch --config_file scripts/accelerate/fsdp2.yaml -m hf_varlen.cli train ...
+
+Python API: ``run(TrainConfig(...))`` returns the summary dict, or ``PackedTrainer(cfg)`` for the
+pieces (``.train_step``, ``.evaluate``, ``.run()``); every CLI flag is a ``TrainConfig`` field.
 
 Modules: ``config`` (options), ``builtin`` (default tokenizer, data, model shapes), ``data``
 (loading, formats, tokenization, batches), ``model`` (tokenizer/model construction and checks),
@@ -9,7 +17,7 @@ JSONL, summary, MFU, plots).
 from __future__ import annotations
 
 from .config import TrainConfig, parse_args
-from .loop import Trainer, train
+from .loop import PackedTrainer, run
 from .metrics import plot_runs
 
-__all__ = ["TrainConfig", "Trainer", "parse_args", "plot_runs", "train"]
+__all__ = ["PackedTrainer", "TrainConfig", "parse_args", "plot_runs", "run"]

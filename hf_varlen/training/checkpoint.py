@@ -20,7 +20,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-logger = logging.getLogger("hf_varlen.train")
+logger = logging.getLogger("hf_varlen.training")
 
 _CKPT = re.compile(r"^checkpoint-(\d+)$")
 

@@ -2,7 +2,7 @@
 
 Every option of ``hf-varlen train`` is a field of :class:`TrainConfig`; the parser is generated from
 the fields (name ``tokens_per_batch`` -> flag ``--tokens-per-batch``, help from ``metadata``), so
-the CLI, ``scripts/train.py`` and the Python API (``train(TrainConfig(...))``) cannot drift apart.
+the CLI and the Python API (``hf_varlen.training.run(TrainConfig(...))``) cannot drift apart.
 
 ``TrainConfig.validate()`` runs before anything is loaded; checks that need the data, the tokenizer
 or the model (dataset fields, attention support, backend names) run in ``data.py`` / ``model.py``,
@@ -17,6 +17,8 @@ import importlib.util
 import os
 from dataclasses import dataclass, field
 from typing import Any
+
+from ..ops.common import check_int
 
 FORMATS = ("auto", "alpaca", "chat", "text")
 PRECISIONS = ("auto", "fp32", "bf16", "bf16-mixed")
@@ -154,7 +156,9 @@ class TrainConfig:
     # ----------------------------------------------------------------------------------------- #
 
     def validate(self) -> None:
-        """Checks that need nothing but the options. Raises ValueError/ImportError with a hint."""
+        """Checks that need nothing but the options. Raises ValueError/TypeError/ImportError with
+        a hint."""
+        check_int("--max-length", self.max_length, None)
         if self.max_length < 2:
             raise ValueError(
                 f"--max-length: expected >= 2 (one input and one target token), got "
@@ -165,26 +169,23 @@ class TrainConfig:
                 f"--tokens-per-batch {self.tokens_per_batch} and --batch-size {self.batch_size}: "
                 "a micro-batch is either a token budget or a number of examples; pass only one"
             )
-        if self.batch_size is not None and self.batch_size < 1:
-            raise ValueError(f"--batch-size: expected >= 1 or unset, got {self.batch_size}")
+        check_int("--batch-size", self.batch_size, 1, allow_none=True)
+        for name in ("grad_accum", "log_every", "lora_r", "lora_alpha", "builtin_examples"):
+            check_int(f"--{_flag(name)}", getattr(self, name), 1)
+        for name in ("max_steps", "max_examples", "pad_to_multiple_of", "tokens_per_batch"):
+            check_int(f"--{_flag(name)}", getattr(self, name), 1, allow_none=True)
+        for name in ("save_every", "eval_every", "seed"):
+            check_int(f"--{_flag(name)}", getattr(self, name), 0)
+        check_int("--warmup-steps", self.warmup_steps, 0, allow_none=True)
         if self.token_budget < self.max_length:
             raise ValueError(
                 f"--tokens-per-batch: expected >= --max-length ({self.max_length}) so that the "
                 f"longest example fits one micro-batch, got {self.token_budget}; raise "
                 "--tokens-per-batch or lower --max-length"
             )
-        for name in ("grad_accum", "log_every", "lora_r", "builtin_examples"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{_flag(name)}: expected >= 1, got {getattr(self, name)}")
-        for name in ("max_steps", "max_examples", "pad_to_multiple_of"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"--{_flag(name)}: expected >= 1 or unset, got {value}")
-        for name in ("save_every", "eval_every", "max_grad_norm", "weight_decay"):
-            if getattr(self, name) < 0:
+        for name in ("max_grad_norm", "weight_decay"):
+            if not getattr(self, name) >= 0:
                 raise ValueError(f"--{_flag(name)}: expected >= 0, got {getattr(self, name)}")
-        if self.warmup_steps is not None and self.warmup_steps < 0:
-            raise ValueError(f"--warmup-steps: expected >= 0, got {self.warmup_steps}")
         if not self.epochs > 0:
             raise ValueError(f"--epochs: expected > 0, got {self.epochs}")
         if self.lr is not None and not self.lr >= 0:

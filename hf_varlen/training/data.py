@@ -35,12 +35,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..ops.common import IGNORE_INDEX
 from .builtin import builtin_records
 from .config import TrainConfig
 
-logger = logging.getLogger("hf_varlen.train")
+logger = logging.getLogger("hf_varlen.training")
 
-IGNORE_INDEX = -100
 _ALPACA_FIELDS = (("instruction", "output"), ("prompt", "completion"))
 
 

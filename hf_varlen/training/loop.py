@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..ops.common import env_flag
 from ..packing import ExampleCountBatchSampler, TokenBudgetBatchSampler
 from . import checkpoint as ckpt
 from .config import TrainConfig
@@ -58,7 +59,7 @@ from .model import (
     resolve_precision,
 )
 
-logger = logging.getLogger("hf_varlen.train")
+logger = logging.getLogger("hf_varlen.training")
 
 
 def _accepts_loss_kwargs(model) -> bool:
@@ -110,18 +111,14 @@ def _default_lr(cfg: TrainConfig) -> float:
     return 1e-3 if cfg.model in PRESETS else 2e-5
 
 
-def _flag(name: str) -> bool:
-    return os.environ.get(name, "").lower() in ("1", "true", "yes")
-
-
 def _cpu_requested() -> bool:
     """CPU processes: no CUDA, or ``accelerate launch --cpu``. Refuses the launch that would
     silently run one process instead of several (see the hint)."""
-    cpu = _flag("ACCELERATE_USE_CPU") or not torch.cuda.is_available()
+    cpu = env_flag("ACCELERATE_USE_CPU") or not torch.cuda.is_available()
     single = not any(
         os.environ.get(k) for k in ("LOCAL_RANK", "WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE")
     )
-    if _flag("ACCELERATE_USE_CPU") and os.environ.get("MASTER_ADDR") and single:
+    if env_flag("ACCELERATE_USE_CPU") and os.environ.get("MASTER_ADDR") and single:
         raise ValueError(
             "`accelerate launch --cpu --num_processes N` (N > 1) starts only ONE process unless "
             "it runs under mpirun, so this would not be a multi-process run. Launch CPU "
@@ -132,8 +129,8 @@ def _cpu_requested() -> bool:
     return cpu
 
 
-class Trainer:
-    """One run. ``Trainer(cfg).run()`` returns the summary dict (also written to summary.json).
+class PackedTrainer:
+    """One run. ``PackedTrainer(cfg).run()`` returns the summary dict (also written to summary.json).
 
     ``model_hook`` (Python API only) is called with the freshly built model, before hf_varlen's
     kernels, gradient checkpointing and LoRA: the place for a comparator's own patching (the e2e
@@ -452,6 +449,6 @@ class Trainer:
         return summary
 
 
-def train(cfg: TrainConfig | None = None) -> dict[str, Any]:
+def run(cfg: TrainConfig | None = None) -> dict[str, Any]:
     """Run training with ``cfg`` (default: the embedded tiny run). Returns the summary."""
-    return Trainer(cfg or TrainConfig()).run()
+    return PackedTrainer(cfg or TrainConfig()).run()

@@ -23,7 +23,7 @@ import torch
 from .builtin import PRESETS, byte_tokenizer
 from .config import TrainConfig
 
-logger = logging.getLogger("hf_varlen.train")
+logger = logging.getLogger("hf_varlen.training")
 
 
 def load_tokenizer(cfg: TrainConfig):
