@@ -1,0 +1,47 @@
+"""The numerics rule of hf_varlen/testing.py: its floor when both references agree exactly."""
+
+from __future__ import annotations
+
+import torch
+
+from hf_varlen.testing import numerics_error, rounding_eps, rounding_floor
+
+
+def _next_up(x: torch.Tensor) -> torch.Tensor:
+    return torch.nextafter(x, torch.full_like(x, float("inf")))
+
+
+def test_floor_when_references_agree_exactly():
+    # The GPU failure of test_kernelized_model_matches_original[cuda-gemma2-fp32]: an fp32 loss
+    # 1 ulp from references that agree exactly, at a value the +0.3 probe rounds without error.
+    ref = torch.tensor(4.887457370758057, dtype=torch.float32)
+    assert rounding_eps(ref, torch.float32) == 0.0
+    x = _next_up(ref)
+    ok, msg = numerics_error(x, ref.double(), ref.clone())
+    assert ok, msg
+    assert "floor = " in msg
+    assert rounding_floor(ref, torch.float32) == torch.finfo(torch.float32).eps / 2 * float(ref)
+
+
+def test_floor_scales_with_magnitude_and_dtype():
+    ref = torch.tensor([0.0, -3.0, 2.0], dtype=torch.float64)
+    assert rounding_floor(ref, torch.bfloat16) == torch.finfo(torch.bfloat16).eps / 2 * 3.0
+    assert rounding_floor(torch.zeros(3), torch.float32) == 0.0
+    assert rounding_floor(torch.empty(0), torch.float32) == 0.0
+
+
+def test_floor_still_rejects_more_than_an_ulp_or_two():
+    ref = torch.tensor([4.887457370758057], dtype=torch.float32)
+    x = ref.clone()
+    for _ in range(3):  # three ulps away at the reference's magnitude
+        x = _next_up(x)
+    ok, msg = numerics_error(x, ref.double(), ref.clone())
+    assert not ok, msg
+
+
+def test_all_zero_reference_has_no_floor():
+    ref = torch.zeros(4)
+    ok, _ = numerics_error(torch.zeros(4), ref.double(), ref)
+    assert ok
+    ok, msg = numerics_error(torch.full((4,), 1e-7), ref.double(), ref)
+    assert not ok, msg
