@@ -159,13 +159,25 @@ def test_ignored_rows_and_all_ignored(reduction):
     _check_against_reference(
         h, w, None, y, torch.float32, kwargs={"reduction": reduction}, op_kwargs={"chunk_size": 16}
     )
-    hh, ww = _leaves((h, w), torch.float32)
-    out = fused_linear_cross_entropy(hh, ww, torch.full_like(y, -100), reduction=reduction)
-    want = linear_cross_entropy_reference(h, w, torch.full_like(y, -100), reduction=reduction)
-    torch.testing.assert_close(out.double(), want, equal_nan=True)
-    if reduction != "mean":  # mean over zero tokens is NaN, as in F.cross_entropy
-        out.sum().backward()
-        assert torch.count_nonzero(hh.grad) == 0 and torch.count_nonzero(ww.grad) == 0
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("reduction", ["sum", "mean", "none"])
+def test_all_ignored_gives_zero_loss_and_zero_grads(reduction, backend):
+    """No label token at all: loss 0 (also for "mean", where F.cross_entropy gives NaN) and
+    exactly zero, finite gradients for hidden, weight and bias (as HF's loss gives)."""
+    h, w, b, y = _inputs(n=40, bias=True)
+    ignored = torch.full_like(y, -100)
+    hh, ww, bb = _leaves((h, w, b), torch.float32)
+    out = fused_linear_cross_entropy(
+        hh, ww, ignored, bias=bb, reduction=reduction, backend=backend, chunk_size=16
+    )
+    want = linear_cross_entropy_reference(h, w, ignored, bias=b, reduction=reduction)
+    assert torch.count_nonzero(out) == 0 and torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), want)
+    out.sum().backward()
+    for name, t in (("hidden", hh), ("weight", ww), ("bias", bb)):
+        assert torch.isfinite(t.grad).all() and torch.count_nonzero(t.grad) == 0, name
 
 
 def test_row_kernel_vocab_tail_ignored_and_out_of_range_rows():
@@ -497,6 +509,33 @@ def test_trl_fused_lm_head_calls_pass_through():
     ids, labels = _batch()
     out = model(input_ids=ids, labels=labels, fused_lm_head=True)
     assert type(out).__name__ == "FusedCausalLMOutput"
+
+
+@pytest.mark.parametrize(
+    "num_items", [None, 0, "tensor0"], ids=["num_items_None", "num_items_0", "num_items_t0"]
+)
+@pytest.mark.parametrize("family", ["llama", "qwen2_tied"])
+def test_model_batch_without_label_tokens(family, num_items):
+    """A micro-batch whose labels are all -100 (reduction "mean" when num_items_in_batch is None,
+    or a global count of 0): the fused model gives loss 0 and the zero gradients HF's loss gives
+    (HF's loss *value* there is NaN: 0 / 0), never NaN in any weight, the tied embedding included."""
+    plain = _model(family)
+    fused = install_fused_cross_entropy(copy.deepcopy(plain), backend="torch")
+    ids, labels = _batch()
+    labels = torch.full_like(labels, -100)
+    kwargs = {} if num_items is None else {"num_items_in_batch": num_items}
+    if num_items == "tensor0":
+        kwargs["num_items_in_batch"] = torch.tensor(0)
+    loss_p = plain(input_ids=ids, labels=labels, **kwargs).loss
+    loss_f = fused(input_ids=ids, labels=labels, **kwargs).loss
+    assert loss_f.item() == 0.0
+    loss_p.backward()
+    loss_f.backward()
+    gp, gf = _grads(plain), _grads(fused)
+    assert gp.keys() == gf.keys()
+    for name in gp:
+        assert torch.isfinite(gf[name]).all(), name
+        torch.testing.assert_close(gf[name], gp[name], rtol=0, atol=0, msg=name)
 
 
 _FSDP2_SCRIPT = """

@@ -347,9 +347,14 @@ def _fused_loss_function(
     call.returned = True
     num_items = kwargs.get("num_items_in_batch")
     if num_items is None:
-        return call.loss_sum / call.n_tokens
+        num_items = call.n_tokens
+    # A count of 0 means no label token anywhere, so loss_sum is an empty sum (0): dividing by 1
+    # keeps loss 0 with zero gradients, where 0 / 0 would put NaN into every weight (HF's own loss
+    # value is NaN there; its gradients are zero, as ours are).
     if torch.is_tensor(num_items):
-        num_items = num_items.to(call.loss_sum.device)
+        num_items = num_items.to(call.loss_sum.device).clamp(min=1)
+    else:
+        num_items = max(num_items, 1)
     return call.loss_sum / num_items
 
 

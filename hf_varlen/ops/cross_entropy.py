@@ -13,7 +13,8 @@ s = ``logit_scale``, c = ``softcap``, e = ``label_smoothing``, k = ``z_loss``):
 This is exactly F.cross_entropy(z, y, ignore_index, label_smoothing) (+ the PaLM z-loss) on the
 fp32 upcast of the logits, which is what HF's ``ForCausalLMLoss`` computes. Reductions: "sum"
 (the caller divides by the global label-token count, HF's ``num_items_in_batch``), "mean" (over
-non-ignored tokens; NaN when there are none, like F.cross_entropy) and "none" (per token).
+non-ignored tokens; 0 with zero gradients when there are none, where F.cross_entropy gives NaN) and
+"none" (per token). Every reduction of a batch without label tokens is 0 with zero gradients.
 
 Algorithm. Tokens whose label is ignored are dropped first (one host sync to count them; their loss
 and gradients are exactly zero), then the kept tokens are processed in chunks of C rows:
@@ -432,7 +433,8 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         if cfg.reduction == "none":
             return _scatter_rows(loss, idx, n_rows)
         total = loss.sum()
-        return total if cfg.reduction == "sum" else total / n_valid
+        # max(.., 1): no label token gives 0 (an empty sum), not 0 / 0 = NaN
+        return total if cfg.reduction == "sum" else total / max(n_valid, 1)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -465,8 +467,8 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             )
         ctx.grads = None
         factor = grad_out.float()
-        if cfg.reduction == "mean":
-            factor = factor / ctx.n_valid if ctx.n_valid else factor * float("nan")
+        if cfg.reduction == "mean":  # the gradients are all zero when n_valid == 0
+            factor = factor / max(ctx.n_valid, 1)
         # In place: these buffers belong to this node only and are released right here.
         return tuple(None if g is None else g.mul_(factor) for g in grads) + (None, None)
 
@@ -584,7 +586,7 @@ def fused_linear_cross_entropy(
             them beforehand for causal LM training. ``ignore_index`` rows contribute nothing.
         bias: optional (V,) lm_head bias.
         reduction: "sum" (divide by the global label-token count yourself, as HF does with
-            ``num_items_in_batch``), "mean" over non-ignored tokens (NaN if there are none), or
+            ``num_items_in_batch``), "mean" over non-ignored tokens (0 if there are none), or
             "none" (per-token loss shaped like labels; its backward recomputes the logits).
         softcap: final-logit softcap c (Gemma2): z = c * tanh(z / c), applied after ``logit_scale``.
         label_smoothing: as in F.cross_entropy.

@@ -7,7 +7,10 @@ It is HF's causal-LM loss path written out with autograd and full logits:
     z      = softcap(logit_scale * upcast(logits))   # ForCausalLMLoss upcasts to fp32
     loss   = F.cross_entropy(z, labels, ignore_index, label_smoothing, reduction="none")
              + z_loss * logsumexp(z)^2 on non-ignored tokens
-    "sum": sum over tokens; "mean": sum / number of non-ignored tokens; "none": per token.
+    "sum": sum over tokens; "mean": sum / max(number of non-ignored tokens, 1); "none": per token.
+
+A batch without label tokens gives 0 for every reduction (F.cross_entropy's "mean" gives NaN there;
+its gradients are zero either way), the documented value of the fused op.
 
 Run it on fp64 copies for the high-precision reference and on the input dtype (bf16 logits, fp32
 loss, as HF does) for the low-precision one.
@@ -50,5 +53,5 @@ def linear_cross_entropy_reference(
     if reduction == "sum":
         return loss.sum()
     if reduction == "mean":
-        return loss.sum() / kept.sum()
+        return loss.sum() / kept.sum().clamp(min=1)
     raise ValueError(f"reduction: expected 'sum', 'mean' or 'none', got {reduction!r}")
