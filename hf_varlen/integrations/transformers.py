@@ -30,6 +30,33 @@ from ..varlen import (
 DEFAULT_NAME = "varlen_packed"
 
 
+def attention_dtype(module: torch.nn.Module, query, key, value) -> torch.dtype:
+    """The one dtype q, k and v are cast to, decided as transformers' FlashAttention path does.
+
+    For an fp32 query (fp32 weights under autocast, where RoPE promotes q and k to fp32 while v stays
+    in the autocast dtype; or fp32 norms in a half-precision PEFT model): the autocast dtype of the
+    query's device if autocast is on, else ``config.dtype`` for a quantized model, else the weight
+    dtype of the module's first Linear layer. Otherwise, or when none of these applies: q, k, v's
+    own dtype if they share one, else their promoted (common) dtype. Unlike transformers, which
+    casts only an fp32 query and leaves any other mix to fail in the kernel, every mix is resolved.
+    """
+    if query.dtype == torch.float32:
+        device_type = query.device.type
+        if torch.is_autocast_enabled(device_type):
+            return torch.get_autocast_dtype(device_type)
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "_is_quantized"):
+            dtype = getattr(config, "dtype", None)
+            if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+                return dtype
+        linear = next((m for m in module.modules() if isinstance(m, torch.nn.Linear)), None)
+        if linear is not None and linear.weight.dtype.is_floating_point:
+            return linear.weight.dtype
+    if query.dtype == key.dtype == value.dtype:
+        return query.dtype
+    return torch.promote_types(torch.promote_types(query.dtype, key.dtype), value.dtype)
+
+
 def _metadata(query, key, attention_mask, kwargs) -> VarlenMetadata:
     bsz, _, q_len, _ = query.shape
     kv_len = key.shape[2]
@@ -79,6 +106,11 @@ def varlen_packed_forward(
             "varlen_packed does not implement attention sinks (s_aux, e.g. gpt-oss); use "
             "attn_implementation='eager' or a FlashAttention-3 build for this model"
         )
+    # One dtype for q, k, v on every backend (fp32 weights under autocast mix them); the cast is
+    # silent, as in transformers' FlashAttention path minus its once-per-process warning (no
+    # logging inside a traced region).
+    dtype = attention_dtype(module, query, key, value)
+    query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     bsz, h_q, q_len, head_dim = query.shape
     is_causal = kwargs.get("is_causal")
     if is_causal is None:
