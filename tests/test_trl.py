@@ -51,8 +51,10 @@ def setup(shared_data):
     return ex, tokenizer, data.select(order[:N_EXAMPLES])
 
 
-def _one_step(setup, mode, tmp_path, monkeypatch, max_steps=1, **config):
-    """(first-step loss, first-step grad norm, attention calls seen, losses of every step)."""
+def _one_step(setup, mode, tmp_path, monkeypatch, max_steps=1, attn=None, **config):
+    """(first-step loss, first-step grad norm, attention calls seen, losses of every step).
+
+    ``attn`` overrides the example's choice of attention implementation for ``mode``."""
     ex, tokenizer, data = setup
     seen: list[dict] = []
     inner = ALL_ATTENTION_FUNCTIONS[hf_varlen.ATTN_IMPLEMENTATION]
@@ -70,13 +72,16 @@ def _one_step(setup, mode, tmp_path, monkeypatch, max_steps=1, **config):
         return out
 
     monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, hf_varlen.ATTN_IMPLEMENTATION, spy)
-    model = ex.load_model("tiny-llama", tokenizer, mode, seed=0)
+    if attn is None:
+        model = ex.load_model("tiny-llama", tokenizer, mode, seed=0)
+    else:
+        model = ex.tiny_llama(len(tokenizer), attn, seed=0)
     trainer = ex.make_trainer(
         model,
         tokenizer,
         data,
         mode,
-        str(tmp_path / mode),
+        str(tmp_path / f"{mode}-{attn}"),
         per_device_train_batch_size=N_EXAMPLES,
         max_steps=max_steps,
         learning_rate=0.0,
@@ -132,3 +137,22 @@ def test_trl_defaults_bf16_gradient_checkpointing(setup, tmp_path, monkeypatch):
         assert_numerics(
             f"{mode} bf16 grad norm", t(norm), t(hi_norm, dtype=torch.float64), t(lo_norm), factor=3
         )
+
+
+@pytest.mark.slow
+def test_trl_wrapped_packing_bf16_matches_sdpa(setup, tmp_path, monkeypatch):
+    """packing_strategy="wrapped" (fixed-length rows cut across examples, no padding-free kwargs:
+    each row is one sequence) under TRL's bf16 defaults: varlen_packed == sdpa on the same rows."""
+    cfg = dict(packing_strategy="wrapped", max_length=48, gradient_checkpointing=True)
+    hi = _one_step(setup, "bfd", tmp_path, monkeypatch, attn="sdpa", bf16=False, **cfg)
+    lo = _one_step(setup, "bfd", tmp_path, monkeypatch, attn="sdpa", bf16=True, **cfg)
+    x = _one_step(
+        setup, "bfd", tmp_path, monkeypatch, attn=hf_varlen.ATTN_IMPLEMENTATION, bf16=True, **cfg
+    )
+    seen = x[2]
+    assert seen and all(c["cu"] is None for c in seen), "wrapped rows carry no packed kwargs"
+    t = torch.tensor
+    assert_numerics("wrapped bf16 loss", t(x[0]), t(hi[0], dtype=torch.float64), t(lo[0]))
+    assert_numerics(
+        "wrapped bf16 grad norm", t(x[1]), t(hi[1], dtype=torch.float64), t(lo[1]), factor=3
+    )
