@@ -8,12 +8,17 @@
 #   bash scripts/gpu_evidence.sh attention OUT_DIR   # bench_attention, all cases and head configs
 #   bash scripts/gpu_evidence.sh e2e       OUT_DIR   # bench_e2e: 1B table + step profiles
 #   bash scripts/gpu_evidence.sh train     OUT_DIR   # hf-varlen train: packed vs padded vs accelerate
+#   bash scripts/gpu_evidence.sh trl       OUT_DIR   # bench_trl: TRL SFTTrainer, bf16, 1B shape
+#   bash scripts/gpu_evidence.sh baseline  OUT_DIR   # attention/rope timings, .baseline/ vs this tree
+#
+# `baseline` compares against an older tree unpacked in .baseline/ (carry it):
+#   git archive REV hf_varlen scripts | (mkdir -p .baseline && tar -x -C .baseline)
 #
 # `train` and `e2e` read the shared data from runs/shared (carry it): alpaca_5000.json, lima.json
 # and the qwen2 tokenizer folder. FA4 joins `attention` when it is importable (GPU.md's two calls).
 # Every step has its own timeout, so a slow one never hides the others' results.
 set -uo pipefail
-stage=${1:?stage: tests|kernels|attention|e2e|train}
+stage=${1:?stage: tests|kernels|attention|e2e|train|trl|baseline}
 out=${2:?OUT_DIR}
 mkdir -p "$out"
 if ! python3 -c "import kernels, trl" 2>/dev/null && [ -d .gpu-wheels/base ]; then
@@ -64,6 +69,19 @@ train)
         --output-dir "$out/padded"
     step train_accelerate 180 accelerate launch --num_processes 1 -m hf_varlen.cli train \
         "${common[@]}" --output-dir "$out/accelerate"
+    ;;
+trl)
+    step bench_trl 560 python3 scripts/bench_trl.py --tokenizer "$data/qwen2" \
+        --dataset "$data/alpaca_5000.json" --out "$out/trl" --steps 15 --warmup 5 --timeout 120
+    ;;
+baseline)
+    for tree in .baseline .; do
+        tag=$([ "$tree" = . ] && echo new || echo old)
+        step "attn_$tag" 200 env PYTHONPATH="$PWD/$tree:$PYTHONPATH" python3 "$tree/scripts/bench_attention.py" \
+            --json "$out/attn_$tag.json"
+        step "rope_$tag" 100 env PYTHONPATH="$PWD/$tree:$PYTHONPATH" python3 "$tree/scripts/bench_rope.py" \
+            --json "$out/rope_$tag.json"
+    done
     ;;
 *)
     echo "unknown stage $stage" >&2
