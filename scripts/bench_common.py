@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-PEAK_BYTES_PER_S = 4.3e12  # H200 device-to-device copy, measured (ANCHORS.md)
+PEAK_BYTES_PER_S = 4.3e12  # H200 device-to-device copy, measured (docs/BENCHMARKS.md, RoPE table)
 
 
 def _version(dist: str) -> str:

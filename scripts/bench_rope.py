@@ -73,7 +73,8 @@ def providers():
 def time_provider(fn, q, k, cos, sin, rep):
     """(fwd, bwd, bwd with an expanded gradient) in ms for a training call: inputs require grad;
     bwd uses a random upstream gradient, the last one the stride-0 gradient of
-    ``(q_out.sum() + k_out.sum()).backward()`` (how ANCHORS.md measured)."""
+    ``(q_out.sum() + k_out.sum()).backward()`` (how the baselines in docs/BENCHMARKS.md were
+    measured)."""
     ql, kl = q.detach().requires_grad_(), k.detach().requires_grad_()
     fwd = do_bench(lambda: fn(ql, kl, cos, sin), warmup=10, rep=rep, return_mode="median")
     outs = fn(ql, kl, cos, sin)

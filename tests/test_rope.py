@@ -1,7 +1,7 @@
 """Fused QK RoPE (hf_varlen.ops.rope) against the pure-PyTorch reference and HF's function.
 
 CPU runs use the Triton interpreter (tests/conftest.py), so shapes stay tiny. Numerics follow
-TESTING.md through ``assert_numerics``: ref_hi is the reference on fp64 copies of the inputs,
+hf_varlen/testing.py through ``assert_numerics``: ref_hi is the reference on fp64 copies of the inputs,
 ref_lo the reference in the input dtype (HF's own rounding); factor 2 for outputs, 3 for grads.
 """
 
@@ -14,7 +14,7 @@ import torch
 
 from hf_varlen.ops import rope as rope_ops
 from hf_varlen.ops.rope import apply_rotary_qk, rotary_pos_emb
-from hf_varlen.reference.rope import apply_rotary_qk_ref, positions_from_cu_seqlens
+from hf_varlen.reference.rope import apply_rotary_qk_reference, positions_from_cu_seqlens
 from hf_varlen.testing import assert_numerics
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -43,7 +43,9 @@ def leaf(x: torch.Tensor) -> torch.Tensor:
     return x.detach().clone().requires_grad_()
 
 
-def check_fwd_bwd(q, k, cos, sin, ref_fn=apply_rotary_qk_ref, kernel_fn=apply_rotary_qk, **kw):
+def check_fwd_bwd(
+    q, k, cos, sin, ref_fn=apply_rotary_qk_reference, kernel_fn=apply_rotary_qk, **kw
+):
     """Kernel outputs and q/k grads (random upstream grads) vs ref_hi (fp64) and ref_lo."""
     qk, kk = leaf(q), leaf(k)
     q_out, k_out = kernel_fn(qk, kk, cos, sin, **kw)
@@ -133,7 +135,7 @@ def test_non_contiguous_upstream_grad():
     gk = torch.randn(2, 6, 2, 16, device=DEVICE).transpose(1, 2).contiguous()  # (B, H, T, D)
     torch.autograd.backward((q_out, k_out), (gq, gk))
     qr, kr = leaf(q), leaf(k)
-    torch.autograd.backward(apply_rotary_qk_ref(qr, kr, cos, sin), (gq, gk))
+    torch.autograd.backward(apply_rotary_qk_reference(qr, kr, cos, sin), (gq, gk))
     torch.testing.assert_close(qk.grad, qr.grad)
     torch.testing.assert_close(kk.grad, kr.grad)
 
@@ -180,7 +182,7 @@ def test_cu_seqlens_spans_batch_rows_and_packed_layout():
     k_thd = torch.randn(16, 1, 16, device=DEVICE)
     cu1, pos1 = packed_positions(1, 16, [3, 7, 6])
     check_fwd_bwd(q_thd, k_thd, cos, sin, cu_seqlens=cu1)
-    expect = apply_rotary_qk_ref(q_thd, k_thd, cos, sin, cu_seqlens=cu1)
+    expect = apply_rotary_qk_reference(q_thd, k_thd, cos, sin, cu_seqlens=cu1)
     q_out, k_out = apply_rotary_qk(q_thd, k_thd, cos, sin, cu_seqlens=cu1)
     assert q_out is q_thd and k_out is k_thd
     torch.testing.assert_close(q_thd, expect[0])
@@ -230,11 +232,11 @@ def test_partial_rotary_inplace_keeps_pass_through(interleaved):
     q, k = hf_qk(1, 6, 2, 2, 32, torch.bfloat16)
     q0, k0 = q.clone(), k.clone()
     cos, sin = rope_table(6, 12, torch.bfloat16, interleaved)
-    expect = apply_rotary_qk_ref(q, k, cos, sin, interleaved=interleaved)
+    expect = apply_rotary_qk_reference(q, k, cos, sin, interleaved=interleaved)
     apply_rotary_qk(q, k, cos, sin, interleaved=interleaved)
     assert torch.equal(q[..., 12:], q0[..., 12:]) and torch.equal(k[..., 12:], k0[..., 12:])
     assert not torch.equal(q[..., :12], q0[..., :12])
-    hi = apply_rotary_qk_ref(q0.double(), k0.double(), cos.double(), sin.double(),
+    hi = apply_rotary_qk_reference(q0.double(), k0.double(), cos.double(), sin.double(),
                              interleaved=interleaved)  # fmt: skip
     assert_numerics("q", q, hi[0], expect[0])
     assert_numerics("k", k, hi[1], expect[1])
@@ -256,7 +258,7 @@ def test_inplace_under_autograd_on_non_leaf_views():
          + (k_out**3).sum()).backward()  # fmt: skip
         return q, q_out, x.grad.clone()
 
-    _, _, grad_ref = run(lambda q, k: apply_rotary_qk_ref(q, k, cos, sin))
+    _, _, grad_ref = run(lambda q, k: apply_rotary_qk_reference(q, k, cos, sin))
     q, q_out, grad_inplace = run(lambda q, k: apply_rotary_qk(q, k, cos, sin))
     assert q_out is q
     _, q_out, grad_outplace = run(lambda q, k: apply_rotary_qk(q, k, cos, sin, inplace=False))
@@ -441,7 +443,7 @@ def test_bad_inputs_raise_before_launch():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-without-interpreter error")
 def test_cpu_without_interpreter_raises(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(rope_ops, "_INTERPRET", False)  # read once at import, like every op
     q, k = hf_qk(1, 3, 2, 1, 8, torch.float32)
     cos, sin = rope_table(3, 8)
     with pytest.raises(ValueError, match="needs CUDA tensors"):
@@ -584,7 +586,7 @@ def test_gpu_past_int32_elements():
             for prec, cast in (("hi", torch.float64), ("lo", None)):  # lo: HF's promotion
                 xr = (x.clone() if cast is None else x.to(cast)).requires_grad_()
                 cc, ss = (c, si) if cast is None else (c.to(cast), si.to(cast))
-                out = apply_rotary_qk_ref(xr, xr, cc, ss)[0]
+                out = apply_rotary_qk_reference(xr, xr, cc, ss)[0]
                 (grad,) = torch.autograd.grad(out, xr, up[:, :, s].to(out.dtype))
                 refs[prec] = (out, grad)
             assert_numerics(f"{name}_out{s}", got[0][:, :, s], refs["hi"][0], refs["lo"][0])
@@ -593,9 +595,9 @@ def test_gpu_past_int32_elements():
     with torch.no_grad():  # in place, int64 path
         apply_rotary_qk(q, k, cos, sin, cu_seqlens=cu)
     s = slices[-1]
-    expect = apply_rotary_qk_ref(saved[-1][0].double(), saved[-1][1].double(), cos[pos[s]].double(),
+    expect = apply_rotary_qk_reference(saved[-1][0].double(), saved[-1][1].double(), cos[pos[s]].double(),
                                  sin[pos[s]].double())  # fmt: skip
-    lo = apply_rotary_qk_ref(saved[-1][0], saved[-1][1], cos[pos[s]], sin[pos[s]])
+    lo = apply_rotary_qk_reference(saved[-1][0], saved[-1][1], cos[pos[s]], sin[pos[s]])
     assert_numerics("q in place tail", q[:, :, s], expect[0], lo[0])
     assert_numerics("k in place tail", k[:, :, s], expect[1], lo[1])
     assert math.isfinite(q[:, :, -1].float().sum().item())

@@ -1,0 +1,42 @@
+"""hf_varlen's kernels: Triton ops with a pure-PyTorch reference each (``hf_varlen.reference``).
+
+    apply_rotary_qk(q, k, cos, sin, ...)   fused in-place RoPE on q and k (varlen positions)
+    rotary_pos_emb(q, k, cos, sin, dim)    drop-in for HF's apply_rotary_pos_emb
+    swiglu(gate, up) / geglu(gate, up)     silu(gate) * up / gelu(gate) * up
+    rms_norm(x, weight, eps, add_unit_offset=False)   Llama RMSNorm (True: Gemma's (1 + w))
+    fused_linear_cross_entropy(hidden, weight, labels, ...)   lm_head + CE without the logits
+    triton_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, ...)   varlen flash attention
+
+The names resolve lazily (PEP 562), so ``import hf_varlen.ops`` and the torch-only
+``hf_varlen.ops.common`` work where triton is not installed; the op modules import triton.
+This package is copied into the generated kernel-hub package: relative imports only.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "apply_rotary_qk": "rope",
+    "rotary_pos_emb": "rope",
+    "swiglu": "glu",
+    "geglu": "glu",
+    "rms_norm": "rmsnorm",
+    "fused_linear_cross_entropy": "cross_entropy",
+    "triton_varlen_attention": "attention",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:  # AttributeError lets `from hf_varlen.ops import rope` import the module
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # resolved once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -1,6 +1,8 @@
-"""Small pieces shared by the Triton kernels in hf_varlen/ops (torch + triton only).
+"""Small pieces shared by the Triton kernels in hf_varlen/ops (torch + triton only; host-side
+helpers that need no triton live in ``common.py``).
 
-``INTERPRET``: kernels run under the numpy interpreter (TRITON_INTERPRET=1, read at import).
+``INTERPRET``: kernels run under the numpy interpreter ($TRITON_INTERPRET, read once at import
+with ``common.env_flag``: 1/true/yes/on, as triton reads it).
 ``as_rows`` / ``rows_need_int64``: the (R, C) row view the row-wise kernels (GLU, RMSNorm) launch
 over, and whether its offsets ``row * stride + col`` can pass int32 (their LONG_INDEXING switch).
 ``round_to``: cast fp32 to a storage dtype, rounding to nearest even as a GPU cast does. Triton 3.9's
@@ -10,13 +12,13 @@ check the GPU's rounding. On a GPU the branch is compiled out.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+from .common import env_flag
+
+INTERPRET = env_flag("TRITON_INTERPRET")
 INT32_LIMIT = 2**31 - 1
 
 _RTNE_BF16_BY_HAND = tl.constexpr(INTERPRET)

@@ -55,9 +55,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_common import INT32_LIMIT
+from ._triton_common import INT32_LIMIT, round_to
 from ._triton_common import INTERPRET as _INTERPRET
-from ._triton_common import round_to as _round
+from .common import IGNORE_INDEX, check_int
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _REDUCTIONS = ("sum", "mean", "none")
@@ -174,7 +174,7 @@ def _ce_rows_kernel(
                 g = tl.where(cols == y, g - (1.0 - label_smoothing), g)
                 if HAS_SOFTCAP:
                     g = g * (1.0 - t * t)
-                tl.store(row_ptr + cols, _round(g * scale, dtype), mask=mask)
+                tl.store(row_ptr + cols, round_to(g * scale, dtype), mask=mask)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -555,10 +555,7 @@ def _check_inputs(
         raise ValueError(f"z_loss: expected a number >= 0, got {z_loss!r}")
     if not isinstance(logit_scale, int | float) or logit_scale == 0:
         raise ValueError(f"logit_scale: expected a non-zero number, got {logit_scale!r}")
-    if chunk_size is not None and (
-        isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
-    ):
-        raise ValueError(f"chunk_size: expected None or a positive int, got {chunk_size!r}")
+    check_int("chunk_size", chunk_size, 1, allow_none=True)
 
 
 def fused_linear_cross_entropy(
@@ -567,7 +564,7 @@ def fused_linear_cross_entropy(
     labels: torch.Tensor,
     *,
     bias: torch.Tensor | None = None,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
     reduction: str = "sum",
     softcap: float | None = None,
     label_smoothing: float = 0.0,
@@ -620,8 +617,7 @@ def fused_linear_cross_entropy(
         chunk_size,
         logit_scale,
     )
-    if not isinstance(ignore_index, int):
-        raise TypeError(f"ignore_index: expected an int, got {type(ignore_index).__name__}")
+    check_int("ignore_index", ignore_index, None)
     cfg = _LossConfig(
         ignore_index=ignore_index,
         reduction=reduction,

@@ -35,10 +35,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_common import INT32_LIMIT
+from ._triton_common import INT32_LIMIT, round_to
 from ._triton_common import INTERPRET as _INTERPRET
 from ._triton_common import as_rows as _rows
-from ._triton_common import round_to as _round
 from ._triton_common import rows_need_int64 as _needs_long_indexing
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -120,8 +119,8 @@ def _glu_fwd_kernel(
 
     b_g = tl.load(GATE + row * stride_gate_row + o_col, mask=m_col, other=0.0).to(tl.float32)
     b_u = tl.load(UP + row * stride_up_row + o_col, mask=m_col, other=0.0).to(tl.float32)
-    b_a = _round(_activation(b_g, ACTIVATION), dtype).to(tl.float32)  # HF rounds act(gate) first
-    tl.store(OUT + row * stride_out_row + o_col, _round(b_a * b_u, dtype), mask=m_col)
+    b_a = round_to(_activation(b_g, ACTIVATION), dtype).to(tl.float32)  # HF rounds act(gate) first
+    tl.store(OUT + row * stride_out_row + o_col, round_to(b_a * b_u, dtype), mask=m_col)
 
 
 @triton.jit
@@ -152,12 +151,12 @@ def _glu_bwd_kernel(
     b_g = tl.load(GATE + row * stride_gate_row + o_col, mask=m_col, other=0.0).to(tl.float32)
     b_u = tl.load(UP + row * stride_up_row + o_col, mask=m_col, other=0.0).to(tl.float32)
     b_a, b_da = _activation_and_grad(b_g, ACTIVATION)
-    b_a = _round(b_a, dtype).to(tl.float32)
-    b_dact = _round(b_do * b_u, dtype).to(tl.float32)  # HF's grad of act(gate), rounded
+    b_a = round_to(b_a, dtype).to(tl.float32)
+    b_dact = round_to(b_do * b_u, dtype).to(tl.float32)  # HF's grad of act(gate), rounded
     # dgate/dup are fresh contiguous (rows, n_cols) buffers.
     o_out = row * n_cols + o_col
-    tl.store(DUP + o_out, _round(b_do * b_a, dtype), mask=m_col)
-    tl.store(DGATE + o_out, _round(b_dact * b_da, dtype), mask=m_col)
+    tl.store(DUP + o_out, round_to(b_do * b_a, dtype), mask=m_col)
+    tl.store(DGATE + o_out, round_to(b_dact * b_da, dtype), mask=m_col)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -324,7 +323,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
     Returns:
         (..., F) tensor of gate's dtype, equal to HF's ``nn.SiLU()(gate) * up`` within the numerics
-        rule of TESTING.md. Inputs are never modified; the backward pass recomputes silu(gate) and
+        rule of hf_varlen/testing.py. Inputs are never modified; the backward pass recomputes silu(gate) and
         returns fresh gradient tensors.
     """
     _check_inputs("swiglu", gate, up)

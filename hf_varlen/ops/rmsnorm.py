@@ -28,7 +28,7 @@ import triton.language as tl
 
 from ._triton_common import INTERPRET as _INTERPRET
 from ._triton_common import as_rows as _rows
-from ._triton_common import round_to as _round
+from ._triton_common import round_to
 from ._triton_common import rows_need_int64 as _needs_long_indexing
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -69,8 +69,8 @@ def _rms_norm_fwd_kernel(
     if ADD_UNIT_OFFSET:
         b_y = b_n * (1.0 + b_w)
     else:
-        b_y = b_w * _round(b_n, X.dtype.element_ty).to(tl.float32)
-    tl.store(Y + row * stride_y_row + o_col, _round(b_y, Y.dtype.element_ty), mask=m_col)
+        b_y = b_w * round_to(b_n, X.dtype.element_ty).to(tl.float32)
+    tl.store(Y + row * stride_y_row + o_col, round_to(b_y, Y.dtype.element_ty), mask=m_col)
 
 
 @triton.jit(do_not_specialize=["n_rows", "n_programs"])
@@ -132,10 +132,10 @@ def _rms_norm_bwd_kernel(
             b_g = b_dy * b_w
             b_dw += b_dy * b_n
         else:
-            b_g = _round(b_dy * b_w, x_dtype).to(tl.float32)
-            b_dw += b_dy * _round(b_n, x_dtype).to(tl.float32)
+            b_g = round_to(b_dy * b_w, x_dtype).to(tl.float32)
+            b_dw += b_dy * round_to(b_n, x_dtype).to(tl.float32)
         b_dx = (b_g - b_n * (tl.sum(b_g * b_n, axis=0) / n_cols)) * rstd
-        tl.store(DX + row * stride_dx_row + o_col, _round(b_dx, x_dtype), mask=m_col)
+        tl.store(DX + row * stride_dx_row + o_col, round_to(b_dx, x_dtype), mask=m_col)
     tl.store(DW_PARTIAL + pid * n_cols + o_col, b_dw, mask=m_col)
 
 
@@ -322,7 +322,7 @@ def rms_norm(
             ``(n * (1 + weight.float())).to(x.dtype)``).
 
     Returns:
-        (..., H) tensor matching the HF module's output within the numerics rule of TESTING.md.
+        (..., H) tensor matching the HF module's output within the numerics rule of hf_varlen/testing.py.
         Inputs are never modified; the backward pass returns fresh dx and an fp32-accumulated
         dweight.
     """

@@ -14,7 +14,7 @@ cos/sin (both halves equal) make the classic "negate sin".
 
 Rounding: HF evaluates ``(x * cos) + (rotate_half(x) * sin)`` in the input dtype (two rounded
 products, one rounded sum). The kernel computes in fp32 and rounds once, so it is at least as close
-to the exact result as HF is (the numerics rule of TESTING.md).
+to the exact result as HF is (the numerics rule of hf_varlen/testing.py).
 
 Shape legend: B batch, T tokens per row, Hq / Hkv query / key heads, D head dim, R rotary dim,
 P rows of a cos/sin table, N packed documents.
@@ -41,7 +41,6 @@ can form reaches 2^31 (e.g. B * T * H * D of a q with 500K+ tokens).
 from __future__ import annotations
 
 import functools
-import os
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -50,7 +49,9 @@ import triton
 import triton.language as tl
 from torch.autograd.graph import increment_version
 
-from ._triton_common import INT32_LIMIT
+from ._triton_common import INT32_LIMIT, round_to
+from ._triton_common import INTERPRET as _INTERPRET
+from .common import check_int
 
 __all__ = ["apply_rotary_qk", "rotary_pos_emb"]
 
@@ -71,18 +72,6 @@ def _feature_mask(mask, d, LIMIT: tl.constexpr, BLOCK: tl.constexpr):
     if LIMIT < BLOCK:
         mask = mask & (d < LIMIT)
     return mask
-
-
-@triton.jit
-def _cast_out(y, dtype: tl.constexpr, RTNE_SHIM: tl.constexpr):
-    """y.to(dtype). The Triton CPU interpreter truncates fp32 -> bf16 (GPUs round to nearest
-    even); RTNE_SHIM, set only under the interpreter, rounds the fp32 bits first so CPU tests see
-    the GPU's numerics."""
-    if RTNE_SHIM:
-        bits = y.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        y = bits.to(tl.float32, bitcast=True)
-    return y.to(dtype)
 
 
 @triton.jit
@@ -111,8 +100,7 @@ def _rotate_heads(X, Y, stride_xb, stride_xh, stride_xt, stride_xd,
                   b, t, t_mask, h0, H, c1, c2, sa, sb,
                   HALF: tl.constexpr, PASS: tl.constexpr, COPY_PASS: tl.constexpr,
                   BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr, BLOCK_T: tl.constexpr,
-                  BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr, LONG_INDEXING: tl.constexpr,
-                  RTNE_SHIM: tl.constexpr):
+                  BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr, LONG_INDEXING: tl.constexpr):
     """Y = rot(X) for heads [h0, h0 + BLOCK_H) of the token block ``t`` of batch row ``b``."""
     h = h0 + tl.arange(0, BLOCK_H)
     if LONG_INDEXING:
@@ -129,19 +117,19 @@ def _rotate_heads(X, Y, stride_xb, stride_xh, stride_xt, stride_xd,
     if INTERLEAVED:
         d = tl.arange(0, 2 * BLOCK_HALF)[None, None, :]
         y = tl.reshape(tl.join(y1, y2), [BLOCK_T, BLOCK_H, 2 * BLOCK_HALF])
-        tl.store(Y + row_y + d * stride_yd, _cast_out(y, dtype, RTNE_SHIM),
+        tl.store(Y + row_y + d * stride_yd, round_to(y, dtype),
                  mask=_feature_mask(mask, d, 2 * HALF, 2 * BLOCK_HALF))
     else:
         dmask = _feature_mask(mask, col, HALF, BLOCK_HALF)
-        tl.store(Y + row_y + col * stride_yd, _cast_out(y1, dtype, RTNE_SHIM), mask=dmask)
-        tl.store(Y + row_y + (col + HALF) * stride_yd, _cast_out(y2, dtype, RTNE_SHIM),
+        tl.store(Y + row_y + col * stride_yd, round_to(y1, dtype), mask=dmask)
+        tl.store(Y + row_y + (col + HALF) * stride_yd, round_to(y2, dtype),
                  mask=dmask)
     if COPY_PASS:  # out of place with rotary_dim < D: copy the features that do not rotate
         dp = 2 * HALF + tl.arange(0, BLOCK_PASS)[None, None, :]
         pmask = _feature_mask(mask, dp, 2 * HALF + PASS, 2 * HALF + BLOCK_PASS)
         xp = tl.load(X + row_x + dp * stride_xd, mask=pmask, other=0.0,
                      eviction_policy="evict_first")
-        tl.store(Y + row_y + dp * stride_yd, _cast_out(xp.to(tl.float32), dtype, RTNE_SHIM),
+        tl.store(Y + row_y + dp * stride_yd, round_to(xp.to(tl.float32), dtype),
                  mask=pmask)
 
 
@@ -160,7 +148,7 @@ def _rope_qk_kernel(
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
     POS_MODE: tl.constexpr, INTERLEAVED: tl.constexpr, CONJUGATE: tl.constexpr,
-    LONG_INDEXING: tl.constexpr, RTNE_SHIM: tl.constexpr,
+    LONG_INDEXING: tl.constexpr,
 ):
     # 1-D grid over (head group, token block, batch row), head group fastest: neighbouring programs
     # touch neighbouring memory of the same tokens and share their cos/sin rows in L2.
@@ -218,13 +206,13 @@ def _rope_qk_kernel(
                       stride_qob, stride_qoh, stride_qot, stride_qod,
                       b, t, t_mask, g * BLOCK_H, HQ, c1, c2, sa, sb,
                       HALF, PASS, COPY_PASS, BLOCK_HALF, BLOCK_PASS, BLOCK_T, BLOCK_H,
-                      INTERLEAVED, LONG_INDEXING, RTNE_SHIM)
+                      INTERLEAVED, LONG_INDEXING)
     else:
         _rotate_heads(K, KO, stride_kb, stride_kh, stride_kt, stride_kd,
                       stride_kob, stride_koh, stride_kot, stride_kod,
                       b, t, t_mask, (g - n_qg) * BLOCK_H, HKV, c1, c2, sa, sb,
                       HALF, PASS, COPY_PASS, BLOCK_HALF, BLOCK_PASS, BLOCK_T, BLOCK_H,
-                      INTERLEAVED, LONG_INDEXING, RTNE_SHIM)
+                      INTERLEAVED, LONG_INDEXING)
 
 
 # fmt: on
@@ -371,13 +359,8 @@ def _launch(q, k, q_out, k_out, cos, sin, pos, cu, st: _Static, *, conjugate: bo
             BLOCK_T=cfg.block_t, BLOCK_H=cfg.block_h, BLOCK_HALF=block_half, BLOCK_PASS=block_pass,
             POS_MODE=st.pos_mode, INTERLEAVED=st.interleaved, CONJUGATE=conjugate,
             LONG_INDEXING=long_indexing, num_warps=cfg.num_warps,
-            RTNE_SHIM=q_out.dtype == torch.bfloat16 and not q.is_cuda and _interpreting(),
         )
     # fmt: on
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def _check_inputs(q, k, cos, sin, position_ids, cu_seqlens, interleaved, rotary_dim) -> _Static:
@@ -412,7 +395,7 @@ def _check_inputs(q, k, cos, sin, position_ids, cu_seqlens, interleaved, rotary_
     for name, t in others.items():
         if t is not None and t.device != dev:
             raise ValueError(f"{fn}: {name} is on {t.device} but q is on {dev}")
-    if dev.type != "cuda" and not _interpreting():
+    if dev.type != "cuda" and not _INTERPRET:
         raise ValueError(
             f"{fn}: needs CUDA tensors (or TRITON_INTERPRET=1 for the CPU interpreter), got q on "
             f"{q.device}"
@@ -430,10 +413,8 @@ def _check_inputs(q, k, cos, sin, position_ids, cu_seqlens, interleaved, rotary_
         )
     if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
         raise ValueError(f"{fn}: gradients w.r.t. cos/sin are not supported; pass them detached")
-    rdim = cos.shape[-1] if rotary_dim is None else rotary_dim
-    if isinstance(rdim, bool) or not isinstance(rdim, int):
-        raise TypeError(f"{fn}: rotary_dim must be an int, got {type(rdim).__name__}")
-    if rdim < 2 or rdim % 2 or rdim > head_dim:
+    rdim = check_int(f"{fn}: rotary_dim", cos.shape[-1] if rotary_dim is None else rotary_dim, 2)
+    if rdim % 2 or rdim > head_dim:
         raise ValueError(f"{fn}: rotary_dim must be even and in [2, D={head_dim}], got {rdim}")
     if cos.shape[-1] != rdim:
         raise ValueError(

@@ -69,7 +69,7 @@ def gather_cos_sin(
     return cos[pos], sin[pos]
 
 
-def apply_rotary_qk_ref(
+def apply_rotary_qk_reference(
     q: torch.Tensor,
     k: torch.Tensor,
     cos: torch.Tensor,
