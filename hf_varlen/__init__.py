@@ -13,7 +13,12 @@ from .attention import varlen_attention
 from .backends import available_backends, default_backend, register_backend, set_backend
 from .collator import PackingCollator
 from .integrations.hub_package import enable_local_hub_kernel, hub_kernel_path
-from .integrations.kernels_hub import KernelizeReport, kernelize
+from .integrations.kernelize import KernelizeReport, kernelize
+from .integrations.loss import (
+    install_fused_cross_entropy,
+    is_fused_cross_entropy_installed,
+    uninstall_fused_cross_entropy,
+)
 from .integrations.transformers import register
 from .packing import (
     ExampleCountBatchSampler,
@@ -32,7 +37,10 @@ __all__ = [
     "KernelizeReport",
     "enable_local_hub_kernel",
     "hub_kernel_path",
+    "install_fused_cross_entropy",
+    "is_fused_cross_entropy_installed",
     "kernelize",
+    "uninstall_fused_cross_entropy",
     "PackingCollator",
     "PackingResult",
     "PackingStats",

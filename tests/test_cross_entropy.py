@@ -448,6 +448,15 @@ def test_unsupported_forward_raises_at_install():
     assert not is_fused_cross_entropy_installed(model)
 
 
+def test_loss_other_than_causal_lm_refused_at_install():
+    """The fused path reproduces HF's ForCausalLMLoss only: a custom loss_function is kept."""
+    model = _model()
+    model.loss_function = lambda logits, labels, vocab_size, **kw: logits.float().mean()
+    with pytest.raises(NotImplementedError, match="not transformers' ForCausalLMLoss"):
+        install_fused_cross_entropy(model)
+    assert not is_fused_cross_entropy_installed(model)
+
+
 def test_peft_lora_on_lm_head():
     peft = pytest.importorskip("peft")
     ids, labels = _batch()

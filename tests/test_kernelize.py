@@ -4,7 +4,7 @@ Tests run on CUDA when present, else on CPU under the Triton interpreter (TRITON
 by conftest). The model-equality test also has a GPU-marked CUDA variant for the GPU machine.
 
 A kernelized model must give the logits, loss and every parameter gradient of the un-kernelized one
-within the numerics rule (TESTING.md): ref_hi = the un-kernelized model in fp64, ref_lo = the
+within the numerics rule (hf_varlen/testing.py): ref_hi = the un-kernelized model in fp64, ref_lo = the
 un-kernelized model in the test dtype. Inputs are one packed row of three documents whose positions
 restart, so RoPE sees position resets.
 
@@ -36,7 +36,7 @@ from transformers.models.llama.modeling_llama import LlamaMLP
 from transformers.models.qwen3 import modeling_qwen3
 from transformers.utils import import_utils
 
-from hf_varlen.integrations.kernels_hub import kernelize
+from hf_varlen import kernelize
 from hf_varlen.testing import assert_numerics
 
 FAMILIES = {
@@ -232,6 +232,62 @@ def test_idempotent_partial_and_undo():
         assert torch.equal(model(**batch).logits, ref)
 
 
+def _class_marks(model: nn.Module) -> dict:
+    """What kernels' marks (kernel_layer_name / kernel_condition) are on each class of the model."""
+    marks = ("kernel_layer_name", "kernel_condition")
+    return {
+        cls: {a: cls.__dict__.get(a) for a in marks} for cls in {type(m) for m in model.modules()}
+    }
+
+
+@needs_kernels
+def test_only_this_model_changes():
+    """kernelize changes instance attributes of the approved modules of this model only: a second
+    model of the same classes keeps its forwards, no HF class keeps a mark, and modules kernels
+    has no mapping for (the decorated SiLU activations) are not touched either."""
+    model, other, batch = tiny("llama"), tiny("llama", seed=1), packed_batch()
+    marks = _class_marks(other)
+    with torch.no_grad():
+        other_ref = other(**batch).logits
+    report = kernelize(model, rope=False, cross_entropy=False)
+    assert report.counts["rmsnorm"] == 5 and report.counts["glu"] == 2
+    assert _class_marks(other) == marks
+    assert not any("forward" in m.__dict__ for m in other.modules())
+    targets = {n for kind in ("rmsnorm", "glu") for n in report.replaced[kind]}
+    touched = {n for n, m in model.named_modules() if "forward" in m.__dict__}
+    assert touched == targets  # e.g. model.layers.0.mlp.act_fn keeps its class forward
+    with torch.no_grad():
+        assert torch.equal(other(**batch).logits, other_ref)
+
+
+@needs_kernels
+@pytest.mark.parametrize("wiring", ["kernels", "fallback"])
+def test_report_undo_restores_everything(wiring, monkeypatch):
+    from hf_varlen import is_fused_cross_entropy_installed
+
+    if wiring == "fallback":
+        monkeypatch.setattr(import_utils, "is_kernels_available", lambda *a, **k: False)
+    model, batch = tiny("llama"), packed_batch()
+    marks = _class_marks(model)
+    with torch.no_grad():
+        ref = model(**batch).logits
+    report = kernelize(model)
+    assert report.path == wiring
+    assert all(report.installed(k) for k in ("rmsnorm", "rope", "glu", "cross_entropy"))
+    report.undo()
+    assert not any(report.installed(k) for k in ("rmsnorm", "rope", "glu", "cross_entropy"))
+    assert not is_fused_cross_entropy_installed(model)
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    funcs = [f for m in model.modules() for f in m.__dict__.get("_kernel_funcs", {}).values()]
+    assert funcs and not any("forward" in f.__dict__ for f in funcs)
+    assert _class_marks(model) == marks
+    with torch.no_grad():
+        assert torch.equal(model(**batch).logits, ref)
+    report.undo()  # harmless twice
+    with pytest.raises(ValueError, match="kind"):
+        report.installed("attention")
+
+
 def test_unsupported_activation_left_alone(caplog):
     model = tiny("llama", hidden_act="relu")
     with caplog.at_level(logging.WARNING, logger="hf_varlen"):
@@ -317,10 +373,7 @@ def test_cpu_without_interpreter_replaces_nothing(monkeypatch):
 
 
 def test_cross_entropy_installed_and_reported(monkeypatch):
-    from hf_varlen.integrations.loss import (
-        is_fused_cross_entropy_installed,
-        uninstall_fused_cross_entropy,
-    )
+    from hf_varlen import is_fused_cross_entropy_installed, uninstall_fused_cross_entropy
 
     model = tiny("llama")
     report = kernelize(model, rope=False, glu=False, rmsnorm=False)

@@ -1,4 +1,8 @@
-"""Generate hf_varlen's local kernel-hub package (``kernels`` layout) from the installed sources.
+"""Build hf_varlen's local kernel-hub package (``kernels`` layout) from the installed sources.
+
+Users call ``enable_local_hub_kernel()`` (the ``attn_implementation="hf-varlen/hf-varlen"`` route)
+or get the path from ``hub_kernel_path()``; ``kernelize.py`` uses the same package for its layers.
+The package's contents are ``hub_layers.py`` and ``hub_attention.py`` plus ``hf_varlen/ops``.
 
 Nothing here is a hand-kept copy: the package is assembled on demand from ``hf_varlen/ops`` and
 the two hub modules next to this file, under a directory named by a hash of those sources, so an
@@ -7,7 +11,8 @@ edited op gives a new package (and a new import name) instead of a stale one:
     <cache>/hub_kernel/<hash>/build/torch-universal/
         __init__.py          generated: ``layers``, ``flash_attn_varlen_func``, ``flash_attn_func``
         metadata.json        {"name", "id", "version", "license", "python-depends": [], "backend"}
-        ops/...              copy of hf_varlen/ops (torch + triton, relative imports only)
+        ops/...              copy of every hf_varlen/ops/*.py (``common.py``, ``__init__.py``
+                             included; torch + triton, relative imports only)
         integrations/__init__.py, hub_layers.py, hub_attention.py   (copies)
 
 ``torch-universal`` is the noarch variant ``kernels`` accepts on every backend (Triton kernels are

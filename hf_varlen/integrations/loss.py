@@ -12,7 +12,8 @@ the duration of that call:
      weight around it exactly as they would for the projection;
   2. ``model.loss_function`` (a documented transformers setter) returns that loss with the
      normalisation of HF's ``ForCausalLMLoss``: ``sum / num_items_in_batch`` when given, else the
-     mean over label tokens.
+     mean over label tokens. A batch without label tokens (or ``num_items_in_batch`` 0) gives loss
+     0 and zero gradients; HF's gradients are zero too, its loss value is NaN (0 / 0).
 
 Everything else stays the model's code: ``logits_to_keep`` slicing, MoE router aux losses added to
 the loss, ``output_hidden_states``, VLM backbones. HF's causal shift is reproduced exactly
@@ -21,16 +22,17 @@ receives the aligned labels. Post-projection logit transforms are read from the 
 at install time; supported: softcaps (Gemma2/3, ``final_logit_softcapping``, ``logits_soft_cap``),
 multiplicative scales ``* self.<attr>`` / ``/ self.<attr>`` (Cohere ``logit_scale``, Granite
 ``logits_scaling``, Falcon-H1 ``lm_head_multiplier``), dtype casts. Anything else, or a loss not
-computed through ``self.loss_function``, raises NotImplementedError at install.
+computed through ``self.loss_function``, or a ``loss_function`` other than HF's ``ForCausalLMLoss``,
+raises NotImplementedError at install (``loss_audit.py`` says why the source is read).
 
 Returned outputs: with the fused path, ``logits`` is None in a ModelOutput (a (..., 0) placeholder
 in a tuple when ``return_dict=False``). Without labels, or in eval mode, the original forward
-runs and returns real logits; pass ``fused_loss=True`` / ``False`` to a call to force either path
-(e.g. ``fused_loss=True`` for eval-loss loops that do not need logits).
+runs and returns real logits. Public per-call keyword of the wrapped forward: ``fused_loss=True``
+/ ``False`` forces either path (``fused_loss=True`` for eval-loss loops that need no logits); it is
+consumed by the wrapper and never reaches the model's own forward.
 
-lm_head kinds: ``nn.Linear`` (weight possibly tied to the embeddings: the gradient is added to the
-shared parameter by autograd); a PEFT LoRA layer (effective weight W + scale * B @ A, differentiable
-in A and B; DoRA/variants, lora_bias, fan_in_fan_out and dropout > 0 while training raise); a PEFT
+lm_head kinds (``loss_head.py``): ``nn.Linear`` (weight possibly tied to the embeddings: the
+gradient is added to the shared parameter by autograd); a PEFT LoRA layer; a PEFT
 ``ModulesToSaveWrapper`` (its active copy). FSDP2: when lm_head is its own FSDP unit the head's
 pre-forward hook unshards the weight before our forward runs; a weight still sharded (a DTensor)
 is gathered with ``full_tensor()`` (differentiable; logged once). Tested with FSDP2 on 2 CPU ranks
@@ -41,28 +43,20 @@ materialises logits): such calls pass straight through.
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import dataclasses
 import functools
 import inspect
-import logging
-import re
-import textwrap
 import types
 
 import torch
 import torch.nn.functional as F
 
-from ..ops.cross_entropy import fused_linear_cross_entropy
-
-logger = logging.getLogger(__name__)
+from ..ops.common import IGNORE_INDEX, check_int
+from .loss_audit import HeadSpec, audit, check_causal_lm_loss, head_attr_name, logit_transform
+from .loss_head import head_params
 
 _STATE_ATTR = "_hf_varlen_fused_ce"
-_IGNORE_INDEX = -100
-_SOFTCAP_ATTRS = ("final_logit_softcapping", "logits_soft_cap", "output_logit_soft_cap")
-_SOFTCAP_WORDS = re.compile(r"tanh|softcap|soft_cap|\bcap\b")
-_ATTR_CHAIN = r"self(?:\.\w+)+"
 
 
 @dataclasses.dataclass
@@ -73,18 +67,10 @@ class _Options:
     backend: str = "auto"
 
 
-@dataclasses.dataclass(frozen=True)
-class _HeadSpec:
-    """What the model's forward does to the logits after the projection (read from its source)."""
-
-    has_softcap: bool
-    scale_ops: tuple[tuple[str, str], ...]  # ("*" | "/", "self.attr.chain")
-
-
 @dataclasses.dataclass
 class _State:
     options: _Options
-    spec: _HeadSpec
+    spec: HeadSpec
     previous_forward: object  # the instance forward we wrapped, or None (the class forward)
     forward: object  # our bound wrapper, to check that uninstall removes what we installed
 
@@ -96,180 +82,6 @@ class _Call:
     loss_sum: torch.Tensor | None = None
     n_tokens: torch.Tensor | None = None
     returned: bool = False
-
-
-# ----------------------------------------------------------------------------------------------
-# Install-time audit of the forward's source
-# ----------------------------------------------------------------------------------------------
-
-
-def _head_attr_name(model: torch.nn.Module) -> str:
-    head = model.get_output_embeddings()
-    for name, module in model.named_children():
-        if module is head:
-            return name
-    raise NotImplementedError(
-        f"{type(model).__name__}: get_output_embeddings() is not a direct child module; the fused "
-        "loss needs the head called as self.<name>(hidden_states) in forward"
-    )
-
-
-@functools.lru_cache(maxsize=64)
-def _audit(cls: type, head_name: str) -> _HeadSpec:
-    """Classify every assignment to the logits in ``cls.forward``; unknown transforms raise."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
-    except (OSError, TypeError, SyntaxError) as err:
-        raise NotImplementedError(
-            f"{cls.__name__}.forward: source unavailable ({err}); cannot audit it"
-        ) from err
-    calls = [
-        n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
-    ]
-    if not any(c.func.attr == "loss_function" for c in calls):
-        raise NotImplementedError(
-            f"{cls.__name__}.forward does not compute its loss with self.loss_function(...); "
-            "the fused cross-entropy cannot stand in for it"
-        )
-    head_call = f"self.{head_name}("
-    statements = sorted(
-        (n for n in ast.walk(tree) if isinstance(n, ast.Assign | ast.AugAssign)),
-        key=lambda n: n.lineno,
-    )
-    names = {
-        t.id
-        for n in statements
-        if isinstance(n, ast.Assign) and head_call in ast.unparse(n.value)
-        for t in n.targets
-        if isinstance(t, ast.Name)
-    }
-    if not names:
-        raise NotImplementedError(
-            f"{cls.__name__}.forward: no `logits = self.{head_name}(...)` assignment found"
-        )
-    var = "|".join(sorted(names))
-    projection = re.compile(
-        rf"^self\.{head_name}\(.*\)(?:\.float\(\)|\.contiguous\(\))?(?:\s*([*/])\s*({_ATTR_CHAIN}))?$"
-    )
-    scale = re.compile(rf"^(?:{var})(?:\.float\(\))?\s*([*/])\s*({_ATTR_CHAIN})$")
-    benign = re.compile(rf"^(?:{var})(?:\.float\(\)|\.contiguous\(\)|\.to\([^()]*\))$")
-    has_softcap, scale_ops, unknown = False, [], []
-    for node in statements:
-        target = node.target if isinstance(node, ast.AugAssign) else node.targets[0]
-        if not (isinstance(target, ast.Name) and target.id in names):
-            continue
-        value = (
-            node.value if isinstance(node, ast.Assign) else ast.BinOp(target, node.op, node.value)
-        )
-        text = ast.unparse(value)
-        if m := projection.match(text):
-            if m.group(1):
-                scale_ops.append((m.group(1), m.group(2)))
-        elif _SOFTCAP_WORDS.search(text):
-            has_softcap = True
-        elif m := scale.match(text):
-            if has_softcap:
-                unknown.append(f"{target.id} = {text}   (a scale after the softcap)")
-            scale_ops.append((m.group(1), m.group(2)))
-        elif not benign.match(text):
-            unknown.append(f"{target.id} = {text}")
-    if unknown:
-        raise NotImplementedError(
-            f"{cls.__name__}.forward transforms the logits in a way the fused cross-entropy "
-            f"does not reproduce: {unknown}"
-        )
-    return _HeadSpec(has_softcap=has_softcap, scale_ops=tuple(scale_ops))
-
-
-def _logit_transform(model: torch.nn.Module, spec: _HeadSpec) -> tuple[float, float | None]:
-    """(logit_scale, softcap) for this call, resolved from the model / its config."""
-    scale = 1.0
-    for op, chain in spec.scale_ops:
-        value = model
-        for attr in chain.split(".")[1:]:
-            value = getattr(value, attr)
-        value = float(value)
-        scale = scale * value if op == "*" else scale / value
-    softcap = None
-    if spec.has_softcap:
-        config = (
-            model.config.get_text_config()
-            if hasattr(model.config, "get_text_config")
-            else model.config
-        )
-        present = [a for a in _SOFTCAP_ATTRS if hasattr(config, a)]
-        if not present:
-            raise NotImplementedError(
-                f"{type(model).__name__}: the forward softcaps the logits but the config has "
-                f"none of {_SOFTCAP_ATTRS}"
-            )
-        softcap = next(
-            (getattr(config, a) for a in present if getattr(config, a) is not None), None
-        )
-    return scale, softcap
-
-
-# ----------------------------------------------------------------------------------------------
-# The head's effective weight (plain Linear, tied, PEFT LoRA / modules_to_save, FSDP2 shard)
-# ----------------------------------------------------------------------------------------------
-
-
-def _lora_effective(layer) -> tuple[torch.Tensor, torch.Tensor | None]:
-    base = layer.get_base_layer()
-    weight, bias = base.weight, base.bias
-    if layer.disable_adapters or layer.merged:
-        return weight, bias
-    for name in layer.active_adapters:
-        if name not in layer.lora_A:
-            continue
-        problem = None
-        if name in getattr(layer, "lora_variant", {}):
-            problem = f"a LoRA variant ({type(layer.lora_variant[name]).__name__}, e.g. DoRA)"
-        elif getattr(layer, "lora_bias", {}).get(name):
-            problem = "lora_bias=True"
-        elif getattr(layer, "fan_in_fan_out", False):
-            problem = "fan_in_fan_out=True"
-        elif layer.training and getattr(layer.lora_dropout[name], "p", 0.0) > 0.0:
-            problem = (
-                f"lora_dropout={layer.lora_dropout[name].p} while training (dropout is on x, not W)"
-            )
-        if problem:
-            raise NotImplementedError(
-                f"fused cross-entropy on a LoRA lm_head with {problem} is not supported; leave "
-                "lm_head out of target_modules, or uninstall the fused loss"
-            )
-        delta = layer.lora_B[name].weight @ layer.lora_A[name].weight
-        weight = weight + (delta * layer.scaling[name]).to(weight.dtype)
-    return weight, bias
-
-
-def _head_params(head: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    try:
-        from peft.tuners.lora import LoraLayer
-    except ImportError:
-        LoraLayer = None
-    if LoraLayer is not None and isinstance(head, LoraLayer):
-        weight, bias = _lora_effective(head)
-    else:  # nn.Linear, or a wrapper exposing its active module's weight (peft ModulesToSaveWrapper)
-        weight, bias = getattr(head, "weight", None), getattr(head, "bias", None)
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or not weight.is_floating_point():
-        raise TypeError(
-            f"lm_head: expected a linear head with a floating (V, H) weight, got "
-            f"{type(head).__name__} with weight {type(weight).__name__}"
-            f"{tuple(getattr(weight, 'shape', ()))} (quantized heads are not supported)"
-        )
-    if type(weight).__name__ == "DTensor":
-        _log_once(
-            "lm_head weight is a sharded DTensor inside its forward; gathering it (full_tensor)"
-        )
-        weight = weight.full_tensor()
-        bias = None if bias is None else bias.full_tensor()
-    return weight, bias
-
-
-@functools.cache
-def _log_once(message: str) -> None:
-    logger.warning(message)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -302,7 +114,7 @@ def _fused_head_forward(
     if call.shift_labels is not None:
         labels = call.shift_labels
     else:  # HF ForCausalLMLoss: pad with ignore_index, shift left by one
-        labels = F.pad(call.labels, (0, 1), value=_IGNORE_INDEX)[..., 1:]
+        labels = F.pad(call.labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
     labels = labels.to(hidden.device).reshape(-1)
     hidden2 = hidden.reshape(-1, hidden.shape[-1])
     if labels.numel() != hidden2.shape[0]:
@@ -311,17 +123,19 @@ def _fused_head_forward(
             f"reaching the head (hidden {tuple(hidden.shape)}); with labels, logits_to_keep must "
             "keep every position"
         )
-    weight, bias = _head_params(head)
+    from ..ops.cross_entropy import fused_linear_cross_entropy  # imports triton: only when used
+
+    weight, bias = head_params(head)
     if not torch.is_autocast_enabled(hidden.device.type) and hidden2.dtype != weight.dtype:
         hidden2 = hidden2.to(weight.dtype)
-    logit_scale, softcap = _logit_transform(model, state.spec)
+    logit_scale, softcap = logit_transform(model, state.spec)
     opts = state.options
     call.loss_sum = fused_linear_cross_entropy(
         hidden2,
         weight,
         labels,
         bias=bias,
-        ignore_index=_IGNORE_INDEX,
+        ignore_index=IGNORE_INDEX,
         reduction="sum",
         softcap=softcap,
         label_smoothing=opts.label_smoothing,
@@ -330,7 +144,7 @@ def _fused_head_forward(
         logit_scale=logit_scale,
         backend=opts.backend,
     )
-    call.n_tokens = (labels != _IGNORE_INDEX).sum()
+    call.n_tokens = (labels != IGNORE_INDEX).sum()
     return hidden.new_empty((*hidden.shape[:-1], 0))
 
 
@@ -339,10 +153,10 @@ def _fused_loss_function(
 ):
     if call.loss_sum is None:  # the head was not reached through our forward: plain loss
         return original(logits, labels, vocab_size, **kwargs)
-    ignore_index = kwargs.get("ignore_index", _IGNORE_INDEX)
-    if ignore_index != _IGNORE_INDEX:
+    ignore_index = kwargs.get("ignore_index", IGNORE_INDEX)
+    if ignore_index != IGNORE_INDEX:
         raise ValueError(
-            f"ignore_index: the fused cross-entropy uses {_IGNORE_INDEX}, got {ignore_index}"
+            f"ignore_index: the fused cross-entropy uses {IGNORE_INDEX}, got {ignore_index}"
         )
     call.returned = True
     num_items = kwargs.get("num_items_in_batch")
@@ -429,6 +243,10 @@ def install_fused_cross_entropy(
     Idempotent: a second call only updates the options. Works on a transformers causal LM, or a
     PEFT / DDP wrapper around one (the inner model is patched). Raises NotImplementedError at
     install for forwards whose logit post-processing or loss it cannot reproduce. Returns ``model``.
+
+    Calls of the wrapped forward accept ``fused_loss: bool | None`` (default None: fused in
+    training mode when ``labels`` are given; True: also in eval mode, returning no logits; False:
+    the original forward). Undo with :func:`uninstall_fused_cross_entropy`.
     """
     lm = _causal_lm(model)
     if not isinstance(lm, torch.nn.Module) or not callable(
@@ -445,8 +263,7 @@ def install_fused_cross_entropy(
         )
     if backend not in ("auto", "triton", "torch"):
         raise ValueError(f"backend: expected 'auto', 'triton' or 'torch', got {backend!r}")
-    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
-        raise ValueError(f"chunk_size: expected None or a positive int, got {chunk_size!r}")
+    check_int("chunk_size", chunk_size, 1, allow_none=True)
     if not 0.0 <= label_smoothing < 1.0 or z_loss < 0.0:
         raise ValueError(
             f"label_smoothing / z_loss: expected [0, 1) / >= 0, got {label_smoothing} / {z_loss}"
@@ -461,7 +278,8 @@ def install_fused_cross_entropy(
     if state is not None:
         state.options = options
         return model
-    spec = _audit(type(lm), _head_attr_name(lm))
+    check_causal_lm_loss(lm)
+    spec = audit(type(lm), head_attr_name(lm))
 
     @functools.wraps(type(lm).forward)  # keeps the signature: Trainer/generate inspect it
     def forward(self, *args, **kwargs):
@@ -493,4 +311,5 @@ def uninstall_fused_cross_entropy(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def is_fused_cross_entropy_installed(model: torch.nn.Module) -> bool:
+    """True when :func:`install_fused_cross_entropy` is in effect on ``model`` (or its inner LM)."""
     return _STATE_ATTR in _causal_lm(model).__dict__

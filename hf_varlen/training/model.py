@@ -187,7 +187,7 @@ def apply_kernels(model, cfg: TrainConfig, device: torch.device) -> tuple[str, b
     if not layers and not loss:
         reason = "--fused-kernels off" if cfg.fused_kernels == "off" else "auto: no CUDA device"
         return f"off ({reason})", False
-    from hf_varlen.integrations.kernels_hub import kernelize
+    from hf_varlen import kernelize
 
     report = kernelize(
         model, rope=layers, glu=layers, rmsnorm=layers, cross_entropy=loss, device=device.type
