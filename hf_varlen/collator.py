@@ -1,12 +1,14 @@
-"""PackingCollator: a list of tokenized examples -> one padding-free packed row.
+"""PackingCollator: a batch of tokenized examples -> one padding-free packed row.
 
-Output-compatible with transformers' ``DataCollatorWithFlattening`` (same keys, dtypes and values on
-the same features), plus tail padding to a multiple, per-example truncation and empty-example
-skipping. Unmodified HF models forward ``cu_seq_lens_q/k`` and ``max_length_q/k`` to the attention
+A drop-in for transformers' ``DataCollatorWithFlattening`` (same arguments, keys, dtypes and
+values on the same features; the differences are listed in one place, the class docstring), plus
+tail padding to a multiple, per-example truncation, empty-example skipping and columnar input.
+Unmodified HF models forward ``cu_seq_lens_q/k`` and ``max_length_q/k`` to the attention
 function, so ``attn_implementation="varlen_packed"`` attends only within each document.
 
-Math. Documents ``d_0 .. d_{n-1}`` with lengths ``L_i`` (after truncation to ``max_length``; empty
-examples are dropped), ``cu_i = L_0 + ... + L_{i-1}``, ``T_real = cu_n``:
+Math. Documents ``d_0 .. d_{n-1}`` with lengths ``L_i`` (after dropping ``attention_mask == 0``
+tokens and truncating to ``max_length``; empty examples are dropped),
+``cu_i = L_0 + ... + L_{i-1}``, ``T_real = cu_n``:
 
     input_ids[cu_i + j]    = d_i[j]
     labels[cu_i]           = separator_id          (default -100: no cross-document target)
@@ -23,8 +25,10 @@ Padding (``pad_to_multiple_of=m``, ``P = (-T_real) mod m``; ``P = m`` when ``T_r
 ``pad_token_id``, labels -100 on every pad token, positions ``position_ids_start + arange(P)`` and
 ``seq_idx = n``. Attention therefore treats the padding as its own causal document (real tokens
 never attend to it) and the loss never counts it. ``max_length`` includes the pad segment, so it is
-always >= the longest segment, as varlen kernels require. An empty batch (no features, or only
-empty ones) is padded to one full multiple so a data-parallel rank can still run a zero-label step.
+always >= the longest segment, as varlen kernels require. With padding, a batch without tokens
+(no examples, or only empty ones) becomes one full multiple of padding, so a data-parallel rank
+can still run a zero-label step; without padding it is a ``ValueError`` (a ``[1, 0]`` row cannot
+run through a model).
 
 Shape legend: T = total tokens (real + pad), S = segments (documents, + 1 when padded).
 
@@ -43,152 +47,267 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from dataclasses import KW_ONLY, dataclass, field
+from numbers import Integral
 from typing import Any
 
 import numpy as np
 import torch
+from transformers.data.data_collator import DefaultDataCollator
+
+from .ops.common import IGNORE_INDEX, check_int
 
 __all__ = ["PackingCollator"]
 
 logger = logging.getLogger(__name__)
 
-IGNORE_INDEX = -100
+_RETURN_TENSORS = ("pt", "np")
+_ROW_KEYS = ("input_ids", "labels", "attention_mask")
 
 
-def _as_int_array(value: Any, key: str, index: int) -> np.ndarray:
-    """One example's ``input_ids`` / ``labels`` (list, numpy or torch) -> 1-D int64 numpy array."""
+def _as_int_array(value: Any, where: str, allow_bool: bool = False) -> np.ndarray:
+    """One example's ``input_ids`` / ``labels`` / ``attention_mask`` -> 1-D int64 numpy array."""
     if isinstance(value, torch.Tensor):
-        if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
-            raise TypeError(
-                f"features[{index}][{key!r}]: expected an integer tensor, got dtype {value.dtype}"
-            )
+        if (
+            value.dtype.is_floating_point
+            or value.dtype.is_complex
+            or (value.dtype == torch.bool and not allow_bool)
+        ):
+            raise TypeError(f"{where}: expected an integer tensor, got dtype {value.dtype}")
         arr = value.detach().cpu().numpy()
     else:
         arr = np.asarray(value)
         if arr.size == 0:
             arr = arr.astype(np.int64)
-        elif arr.dtype.kind not in "iu":
-            raise TypeError(
-                f"features[{index}][{key!r}]: expected integer token ids, got dtype {arr.dtype}"
-            )
+        elif arr.dtype.kind not in ("iub" if allow_bool else "iu"):
+            raise TypeError(f"{where}: expected integer token ids, got dtype {arr.dtype}")
     if arr.ndim != 1:
-        raise ValueError(
-            f"features[{index}][{key!r}]: expected a 1-D sequence, got shape {tuple(arr.shape)}"
-        )
+        raise ValueError(f"{where}: expected a 1-D sequence, got shape {tuple(arr.shape)}")
     return arr.astype(np.int64, copy=False)
 
 
-def _check_int(name: str, value: Any, minimum: int | None = None, allow_none: bool = False):
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
+def _is_scalar(value: Any) -> bool:
+    return isinstance(value, Integral) or (
+        isinstance(value, (np.ndarray, torch.Tensor)) and value.ndim == 0
+    )
 
 
-class PackingCollator:
-    """Flatten a list of examples into one packed ``[1, T]`` row with varlen attention metadata.
+def _row_name(i: int):
+    """Error-message names in a list of examples: features[i], features[i]['key']."""
+    return lambda key=None: f"features[{i}]" + ("" if key is None else f"[{key!r}]")
+
+
+def _column_name(i: int):
+    """Error-message names in a mapping of columns: features[...][i], features['key'][i]."""
+    return lambda key=None: f"features[{'...' if key is None else repr(key)}][{i}]"
+
+
+def _column_rows(column: Any, label: str) -> Sequence[Any]:
+    """A column of a mapping batch (list of rows, 2-D tensor or array) -> one entry per example."""
+    if isinstance(column, (torch.Tensor, np.ndarray)):
+        if column.ndim == 2:
+            return list(column)
+        flat = column.ndim == 1
+    elif isinstance(column, Sequence) and not isinstance(column, (str, bytes)):
+        flat = len(column) > 0 and _is_scalar(column[0])
+        if not flat:
+            return column
+    else:
+        raise TypeError(
+            f"{label}: expected one row per example (a list of token-id lists, or a 2-D "
+            f"tensor / array), got {type(column).__name__}"
+        )
+    shape = tuple(column.shape) if hasattr(column, "shape") else (len(column),)
+    raise TypeError(
+        "features: expected a list of examples or a mapping of columns with one row per example; "
+        f"{label} is {'a flat sequence' if flat else 'an array'} of shape {shape}. "
+        "For a single example pass [example]; for a padded batch pass 2-D input_ids with its "
+        "attention_mask"
+    )
+
+
+@dataclass
+class PackingCollator(DefaultDataCollator):
+    """Flatten a batch of examples into one packed ``[1, T]`` row with varlen attention metadata.
+
+    A drop-in for ``transformers.DataCollatorWithFlattening``: it takes the same arguments (the
+    first, ``return_tensors``, also positionally: ``PackingCollator("np")``), is a
+    ``DefaultDataCollator`` dataclass like it, and ``__call__(features, return_tensors=None,
+    separator_id=None)`` has the same signature and per-call overrides.
 
     Args:
+        return_tensors: ``"pt"`` (torch) or ``"np"`` (numpy).
         return_position_ids: emit ``position_ids``, restarting at ``position_ids_start`` per
             document.
         separator_id: label of each document's first token (default -100, ignored by the loss).
         return_flash_attn_kwargs: emit ``cu_seq_lens_q/k`` (int32) and ``max_length_q/k`` (int).
-            Default True (transformers: False), so ``varlen_packed`` needs no host sync.
         return_seq_idx: emit ``seq_idx`` (int32 ``[1, T]``, document index of each token).
         position_ids_start: first position of every document (RoBERTa-like models use
             ``padding_idx + 1``).
         pad_to_multiple_of: pad the tail to a multiple of this many tokens as one separate segment
             (see the module docstring). ``None``: no padding.
-        pad_token_id: input id of pad tokens.
+        pad_token_id: input id of pad tokens (only used with ``pad_to_multiple_of``).
         max_length: truncate each example (and its labels) to this many tokens. ``None``: keep all.
-        return_tensors: ``"pt"`` (torch) or ``"np"`` (numpy).
+            With ``TokenBudgetBatchSampler`` / ``pack_by_tokens`` use ``max_length=max_tokens``, so
+            the examples they count as ``max_tokens`` long are cut to exactly that.
 
-    Features are mappings with ``input_ids`` and optionally ``labels`` (same length), each a list,
-    numpy array or torch tensor of integers; other keys are ignored. Either every feature has
-    ``labels`` or none does. Empty examples are skipped and counted in ``num_skipped_empty``.
+    Input (``features``), any of:
+        - a list of mappings (one per example) with ``input_ids`` and optionally ``labels`` and
+          ``attention_mask``, each a list, numpy array or torch tensor of integers;
+        - a mapping of columns, e.g. a tokenizer's ``BatchEncoding`` or a ``datasets`` batch:
+          ``{"input_ids": rows, "labels": rows, "attention_mask": rows}`` where ``rows`` is a list
+          of per-example sequences or a 2-D tensor / array (``PackingCollator()(tokenizer(texts))``
+          and ``tokenizer(texts, padding=True, return_tensors="pt")`` both work);
+        - a 2-D tensor or numpy array of ``input_ids`` (one row per example, no padding).
+        ``labels`` has the length of ``input_ids``; either every example has labels or none does
+        (``labels=None`` counts as none). Other keys (``token_type_ids``, ...) are not used.
+
+    Differences from ``DataCollatorWithFlattening`` (everything else is identical, and tested so):
+        - ``return_flash_attn_kwargs`` defaults to True (transformers: False), so the attention
+          gets the document offsets without a host sync to derive them from ``position_ids``.
+          ``PackingCollator(return_flash_attn_kwargs=False)`` returns exactly transformers' keys.
+        - Empty examples are dropped and counted in ``num_skipped_empty`` (transformers gives each
+          an extra label with no token, so ``labels`` no longer lines up with ``input_ids``).
+        - A batch with no token at all raises ``ValueError`` (transformers returns a ``[1, 0]``
+          row that fails deep inside the model), unless ``pad_to_multiple_of`` is set.
+        - ``attention_mask == 0`` tokens are padding and are dropped (transformers packs them as
+          real tokens); a mapping of columns or a 2-D tensor is accepted (transformers needs a
+          list of mappings).
+        - Features are validated: integer ids, 1-D, labels as long as input_ids, labels for all
+          examples or none; a bad one raises naming it.
+        - Extras, off by default: ``pad_to_multiple_of`` / ``pad_token_id`` and ``max_length``.
+
+    Example:
+        >>> collator = PackingCollator()
+        >>> batch = collator([{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5]}])
+        >>> batch["input_ids"], batch["labels"], batch["position_ids"]
+        (tensor([[1, 2, 3, 4, 5]]), tensor([[-100,    2,    3, -100,    5]]), tensor([[0, 1, 2, 0, 1]]))
+        >>> batch["cu_seq_lens_q"], batch["max_length_q"]
+        (tensor([0, 3, 5], dtype=torch.int32), 3)
+        >>> padded = {"input_ids": [[1, 2, 3], [4, 5, 0]], "attention_mask": [[1, 1, 1], [1, 1, 0]]}
+        >>> collator(padded)["input_ids"]
+        tensor([[1, 2, 3, 4, 5]])
+        >>> PackingCollator("np", pad_to_multiple_of=4)(padded)["cu_seq_lens_q"]
+        array([0, 3, 5, 8], dtype=int32)
     """
 
-    def __init__(
-        self,
-        *,
-        return_position_ids: bool = True,
-        separator_id: int = IGNORE_INDEX,
-        return_flash_attn_kwargs: bool = True,
-        return_seq_idx: bool = False,
-        position_ids_start: int = 0,
-        pad_to_multiple_of: int | None = None,
-        pad_token_id: int = 0,
-        max_length: int | None = None,
-        return_tensors: str = "pt",
-    ):
-        _check_int("separator_id", separator_id)
-        _check_int("position_ids_start", position_ids_start, minimum=0)
-        _check_int("pad_to_multiple_of", pad_to_multiple_of, minimum=1, allow_none=True)
-        _check_int("pad_token_id", pad_token_id)
-        _check_int("max_length", max_length, minimum=1, allow_none=True)
-        self._check_return_tensors(return_tensors)
-        self.return_position_ids = bool(return_position_ids)
-        self.separator_id = int(separator_id)
-        self.return_flash_attn_kwargs = bool(return_flash_attn_kwargs)
-        self.return_seq_idx = bool(return_seq_idx)
-        self.position_ids_start = int(position_ids_start)
-        self.pad_to_multiple_of = pad_to_multiple_of
-        self.pad_token_id = int(pad_token_id)
-        self.max_length = max_length
-        self.return_tensors = return_tensors
-        self.num_skipped_empty = 0
-        self.num_truncated = 0
-        self.num_truncated_tokens = 0
+    # ``return_tensors: str = "pt"`` is DefaultDataCollator's field: the one positional argument.
+    _: KW_ONLY
+    return_position_ids: bool = True
+    separator_id: int = IGNORE_INDEX
+    return_flash_attn_kwargs: bool = True
+    return_seq_idx: bool = False
+    position_ids_start: int = 0
+    pad_to_multiple_of: int | None = None
+    pad_token_id: int = 0
+    max_length: int | None = None
+    num_skipped_empty: int = field(default=0, init=False, repr=False, compare=False)
+    num_truncated: int = field(default=0, init=False, repr=False, compare=False)
+    num_truncated_tokens: int = field(default=0, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._check_return_tensors(self.return_tensors)
+        self.separator_id = check_int("separator_id", self.separator_id, minimum=None)
+        self.position_ids_start = check_int("position_ids_start", self.position_ids_start, 0)
+        self.pad_to_multiple_of = check_int(
+            "pad_to_multiple_of", self.pad_to_multiple_of, 1, allow_none=True
+        )
+        self.pad_token_id = check_int("pad_token_id", self.pad_token_id, 0)
+        self.max_length = check_int("max_length", self.max_length, 1, allow_none=True)
+        self.return_position_ids = bool(self.return_position_ids)
+        self.return_flash_attn_kwargs = bool(self.return_flash_attn_kwargs)
+        self.return_seq_idx = bool(self.return_seq_idx)
 
     @staticmethod
-    def _check_return_tensors(return_tensors: str) -> None:
-        if return_tensors not in ("pt", "np"):
+    def _check_return_tensors(return_tensors: Any) -> None:
+        if return_tensors not in _RETURN_TENSORS:
             raise ValueError(f"return_tensors: expected 'pt' or 'np', got {return_tensors!r}")
 
-    def __repr__(self) -> str:
-        return (
-            f"PackingCollator(separator_id={self.separator_id}, "
-            f"return_flash_attn_kwargs={self.return_flash_attn_kwargs}, "
-            f"return_seq_idx={self.return_seq_idx}, pad_to_multiple_of={self.pad_to_multiple_of}, "
-            f"max_length={self.max_length})"
-        )
-
-    def _documents(self, features: Sequence[Mapping[str, Any]]):
-        """Validated, truncated, non-empty (input_ids, labels | None) pairs, in feature order."""
-        if not isinstance(features, Sequence) or isinstance(features, (str, bytes, Mapping)):
-            raise TypeError(f"features: expected a list of mappings, got {type(features).__name__}")
-        has_labels = None
-        docs = []
+    @staticmethod
+    def _raw_examples(features: Any) -> list[tuple[Any, Mapping[str, Any]]]:
+        """(error-message name of a key, {input_ids, labels?, attention_mask?}) per example."""
+        if isinstance(features, (torch.Tensor, np.ndarray)):
+            rows = _column_rows(features, "features")
+            return [(_row_name(i), {"input_ids": row}) for i, row in enumerate(rows)]
+        if isinstance(features, Mapping):
+            if "input_ids" not in features:
+                raise TypeError(
+                    f"features: a mapping of columns needs 'input_ids', got keys {sorted(features)}"
+                )
+            columns = {
+                key: _column_rows(features[key], f"features[{key!r}]")
+                for key in _ROW_KEYS
+                if features.get(key) is not None
+            }
+            n = len(columns["input_ids"])
+            for key, rows in columns.items():
+                if len(rows) != n:
+                    raise ValueError(
+                        f"features[{key!r}]: expected {n} rows (as 'input_ids'), got {len(rows)}"
+                    )
+            return [
+                (_column_name(i), {key: rows[i] for key, rows in columns.items()}) for i in range(n)
+            ]
+        if not isinstance(features, Sequence) or isinstance(features, (str, bytes)):
+            raise TypeError(
+                "features: expected a list of mappings, a mapping of columns or a 2-D tensor, got "
+                f"{type(features).__name__}"
+            )
+        out = []
         for i, feature in enumerate(features):
             if not isinstance(feature, Mapping) or "input_ids" not in feature:
+                hint = (
+                    f" with keys {sorted(feature)}"
+                    if isinstance(feature, Mapping)
+                    else "; for bare token-id rows pass {'input_ids': rows}"
+                )
                 raise TypeError(
                     f"features[{i}]: expected a mapping with 'input_ids', got "
-                    f"{type(feature).__name__}"
-                    + (f" with keys {sorted(feature)}" if isinstance(feature, Mapping) else "")
+                    f"{type(feature).__name__}{hint}"
                 )
+            out.append((_row_name(i), feature))
+        return out
+
+    def _documents(self, features: Any) -> list[tuple[np.ndarray, np.ndarray | None]]:
+        """Validated, unpadded, truncated, non-empty (input_ids, labels | None), in input order."""
+        has_labels = None
+        docs = []
+        for name, feature in self._raw_examples(features):
             this_has_labels = feature.get("labels") is not None
             if has_labels is None:
                 has_labels = this_has_labels
             elif this_has_labels != has_labels:
                 raise ValueError(
-                    f"features[{i}]: 'labels' is {'present' if this_has_labels else 'missing'} "
-                    f"but was {'present' if has_labels else 'missing'} in features[0]; "
+                    f"{name()}: 'labels' is {'present' if this_has_labels else 'missing'} "
+                    f"but was {'present' if has_labels else 'missing'} in the first example; "
                     "give labels for every example or for none"
                 )
-            ids = _as_int_array(feature["input_ids"], "input_ids", i)
+            ids = _as_int_array(feature["input_ids"], name("input_ids"))
             labels = None
             if this_has_labels:
-                labels = _as_int_array(feature["labels"], "labels", i)
+                labels = _as_int_array(feature["labels"], name("labels"))
                 if labels.shape != ids.shape:
                     raise ValueError(
-                        f"features[{i}]['labels']: expected length {ids.shape[0]} (as input_ids), "
+                        f"{name('labels')}: expected length {ids.shape[0]} (as input_ids), "
                         f"got {labels.shape[0]}"
                     )
+            mask = feature.get("attention_mask")
+            if mask is not None:
+                mask = _as_int_array(mask, name("attention_mask"), allow_bool=True)
+                if mask.shape != ids.shape:
+                    raise ValueError(
+                        f"{name('attention_mask')}: expected length {ids.shape[0]} (as "
+                        f"input_ids), got {mask.shape[0]}"
+                    )
+                if mask.size and (mask.min() < 0 or mask.max() > 1):
+                    raise ValueError(f"{name('attention_mask')}: expected 0/1 values")
+                if not mask.all():
+                    keep = mask.astype(bool)
+                    ids = ids[keep]
+                    labels = None if labels is None else labels[keep]
             if ids.shape[0] == 0:
                 if self.num_skipped_empty == 0:
-                    logger.warning("PackingCollator: skipping empty example (features[%d])", i)
+                    logger.warning("PackingCollator: skipping empty example (%s)", name())
                 self.num_skipped_empty += 1
                 continue
             if self.max_length is not None and ids.shape[0] > self.max_length:
@@ -201,7 +320,7 @@ class PackingCollator:
 
     def __call__(
         self,
-        features: Sequence[Mapping[str, Any]],
+        features: Any,
         return_tensors: str | None = None,
         separator_id: int | None = None,
     ) -> dict[str, Any]:
@@ -209,9 +328,16 @@ class PackingCollator:
         self._check_return_tensors(return_tensors)
         if separator_id is None:
             separator_id = self.separator_id
-        _check_int("separator_id", separator_id)
+        separator_id = check_int("separator_id", separator_id, minimum=None)
 
         docs = self._documents(features)
+        if not docs and self.pad_to_multiple_of is None:
+            raise ValueError(
+                "features: the batch has no token to pack (no example, or only empty ones); a "
+                "[1, 0] row cannot run through a model. Drop empty examples before batching, or "
+                "set pad_to_multiple_of to turn such a batch into one all-padding row with no "
+                "label (a zero-loss step, e.g. for a data-parallel rank without data)"
+            )
         lengths = np.fromiter((ids.shape[0] for ids, _ in docs), dtype=np.int64, count=len(docs))
         real = int(lengths.sum())
         pad = 0
@@ -244,11 +370,10 @@ class PackingCollator:
             seq_idx = np.repeat(np.arange(len(seg_lengths), dtype=np.int32), seg_lengths)
             batch["seq_idx"] = seq_idx[None]
         if self.return_flash_attn_kwargs:
-            cu = np.append(starts, total).astype(np.int32) if len(starts) else np.zeros(1, np.int32)
+            cu = np.append(starts, total).astype(np.int32)
             batch["cu_seq_lens_q"] = cu
             batch["cu_seq_lens_k"] = cu.copy()
-            max_len = int(seg_lengths.max()) if len(seg_lengths) else 0
-            batch["max_length_q"] = batch["max_length_k"] = max_len
+            batch["max_length_q"] = batch["max_length_k"] = int(seg_lengths.max())
 
         if return_tensors == "pt":
             batch = {
