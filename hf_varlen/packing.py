@@ -9,9 +9,11 @@ one packed batch (one ``[1, T]`` row from ``PackingCollator``, ``T <= B``). Stra
     "ffd"         first-fit decreasing: longest first, into the lowest-numbered bin that fits.
     "sequential"  next-fit in index order: keeps the data order (curricula, streaming), packs worse.
 
-Overflow: an example longer than ``B`` is truncated to ``B`` tokens (``on_overflow="truncate"``;
-give the collator ``max_length=max_tokens`` so it cuts the same tokens) or raises ``ValueError``
-(``"raise"``). Empty examples are skipped. Both are counted in ``PackingStats``.
+Overflow: an example longer than ``B`` is counted as ``B`` tokens and so fills a batch of its own;
+the collator must cut it to match (``PackingCollator(max_length=B)``), else that row is longer than
+the budget. ``on_overflow=None`` (default) does so and warns once naming that fix, ``"truncate"``
+does so silently (you state that the collator truncates), ``"raise"`` raises ``ValueError``. Empty
+examples are skipped. Both are counted in ``PackingStats``.
 
 Statistics, with ``N_b`` batches, ``n_b`` examples and ``m_b`` longest example in batch ``b``:
 
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +39,8 @@ from typing import Any
 import numpy as np
 import torch
 from torch.utils.data import Sampler
+
+from .ops.common import check_int
 
 __all__ = [
     "ExampleCountBatchSampler",
@@ -46,7 +51,7 @@ __all__ = [
 ]
 
 STRATEGIES = ("bfd", "ffd", "sequential")
-ON_OVERFLOW = ("truncate", "raise")
+ON_OVERFLOW = (None, "truncate", "raise")
 
 
 @dataclass(frozen=True)
@@ -107,15 +112,13 @@ def _as_lengths(lengths: Any) -> np.ndarray:
     return arr
 
 
-def _check_options(max_tokens: Any, strategy: Any, on_overflow: Any) -> None:
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)):
-        raise TypeError(f"max_tokens: expected an int, got {type(max_tokens).__name__}")
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens: expected an int >= 1, got {max_tokens}")
+def _check_options(max_tokens: Any, strategy: Any, on_overflow: Any) -> int:
+    max_tokens = check_int("max_tokens", max_tokens, 1)
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy: expected one of {STRATEGIES}, got {strategy!r}")
     if on_overflow not in ON_OVERFLOW:
         raise ValueError(f"on_overflow: expected one of {ON_OVERFLOW}, got {on_overflow!r}")
+    return max_tokens
 
 
 def _best_fit_decreasing(order: list[int], lengths: list[int], budget: int) -> list[list[int]]:
@@ -193,7 +196,7 @@ def pack_by_tokens(
     max_tokens: int,
     strategy: str = "bfd",
     seed: int | None = 0,
-    on_overflow: str = "truncate",
+    on_overflow: str | None = None,
 ) -> PackingResult:
     """Pack examples of the given token ``lengths`` into batches of at most ``max_tokens`` tokens.
 
@@ -203,16 +206,22 @@ def pack_by_tokens(
         strategy: ``"bfd"`` (best-fit decreasing), ``"ffd"`` or ``"sequential"``; see module doc.
         seed: shuffles the order of the batches (their contents do not depend on it);
             ``None`` keeps creation order (``bfd``/``ffd``: fullest, longest-example batches first).
-        on_overflow: ``"truncate"`` counts an example longer than ``max_tokens`` and packs it as
-            ``max_tokens`` tokens (the collator must truncate it: ``max_length=max_tokens``);
-            ``"raise"`` raises ``ValueError`` naming it.
+        on_overflow: an example longer than ``max_tokens`` is counted and packed as
+            ``max_tokens`` tokens, alone in its batch; the collator must truncate it
+            (``PackingCollator(max_length=max_tokens)``). ``None``: do so and warn once that the
+            collator must cut it; ``"truncate"``: do so silently; ``"raise"``: raise
+            ``ValueError`` naming the example.
 
     Returns:
         ``PackingResult``: every non-empty example index in exactly one batch (indices ascending
         within a batch), tokens per batch, and ``PackingStats``.
     """
-    _check_options(max_tokens, strategy, on_overflow)
-    max_tokens = int(max_tokens)
+    return _pack(lengths, max_tokens, strategy, seed, on_overflow, stacklevel=3)
+
+
+def _pack(lengths, max_tokens, strategy, seed, on_overflow, stacklevel: int) -> PackingResult:
+    """``pack_by_tokens``; ``stacklevel`` points the overflow warning at the user's call."""
+    max_tokens = _check_options(max_tokens, strategy, on_overflow)
     raw = _as_lengths(lengths)
     over = np.flatnonzero(raw > max_tokens)
     if over.size and on_overflow == "raise":
@@ -221,6 +230,18 @@ def pack_by_tokens(
             f"lengths: example {first} has {int(raw[first])} tokens, more than "
             f"max_tokens={max_tokens} ({over.size} such examples; first few "
             f"{over[:5].tolist()}); use on_overflow='truncate' or a larger max_tokens"
+        )
+    if over.size and on_overflow is None:
+        longest = int(raw[over].max())
+        warnings.warn(
+            f"{over.size} of {raw.size} examples are longer than max_tokens={max_tokens} (longest "
+            f"{longest}); each is packed as a {max_tokens}-token batch of its own, so the collator "
+            f"must cut it to match: PackingCollator(max_length={max_tokens}). A collator without "
+            f"max_length emits it whole (a row of up to {longest} tokens). Pass "
+            "on_overflow='truncate' to state that the collator truncates, or 'raise' to refuse "
+            "such examples",
+            UserWarning,
+            stacklevel=stacklevel,
         )
     eff = np.minimum(raw, max_tokens)
     kept = np.flatnonzero(eff > 0)
@@ -259,19 +280,12 @@ class _DealtBatchSampler(Sampler[list[int]]):
 
     def __init__(self, *, shuffle: bool, seed: int, num_replicas: int, rank: int):
         super().__init__()
-        for name, value, minimum in (("num_replicas", num_replicas, 1), ("rank", rank, 0)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-                raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
-            if value < minimum:
-                raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
+        self.num_replicas = check_int("num_replicas", num_replicas, 1)
+        self.rank = check_int("rank", rank, 0)
         if rank >= num_replicas:
             raise ValueError(f"rank: expected 0 <= rank < num_replicas={num_replicas}, got {rank}")
-        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
-            raise TypeError(f"seed: expected an int, got {type(seed).__name__}")
+        self.seed = check_int("seed", seed, minimum=None)
         self.shuffle = bool(shuffle)
-        self.seed = int(seed)
-        self.num_replicas = int(num_replicas)
-        self.rank = int(rank)
         self.epoch = 0
 
     def _deal(self) -> None:
@@ -282,9 +296,7 @@ class _DealtBatchSampler(Sampler[list[int]]):
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch that ``__iter__`` yields (its order is fixed by ``seed`` and epoch)."""
-        if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
-            raise ValueError(f"epoch: expected an int >= 0, got {epoch!r}")
-        self.epoch = int(epoch)
+        self.epoch = check_int("epoch", epoch, 0)
 
     def __len__(self) -> int:
         return len(self._groups)
@@ -320,7 +332,11 @@ class TokenBudgetBatchSampler(_DealtBatchSampler):
     yields ``len(sampler)`` batches. When the batch count does not divide, the last (lightest)
     group is filled with empty batches ``[]``: the training loop must still run those as
     zero-token steps (the collator turns ``[]`` into an all-padding row when ``pad_to_multiple_of``
-    is set, else ``T = 0``) so collective ops stay matched across ranks. Do not let a framework
+    is set, else it raises ``ValueError``) so collective ops stay matched across ranks.
+
+    Examples longer than ``max_tokens``: see ``on_overflow`` of ``pack_by_tokens`` (default: they
+    are counted as ``max_tokens`` tokens, and a warning says to give the collator
+    ``max_length=max_tokens``). Do not let a framework
     shard this sampler again (e.g. accelerate's batch-sampler sharding): it is already per rank.
     """
 
@@ -332,14 +348,12 @@ class TokenBudgetBatchSampler(_DealtBatchSampler):
         shuffle: bool = True,
         seed: int = 0,
         strategy: str = "bfd",
-        on_overflow: str = "truncate",
+        on_overflow: str | None = None,
         num_replicas: int = 1,
         rank: int = 0,
     ):
         super().__init__(shuffle=shuffle, seed=seed, num_replicas=num_replicas, rank=rank)
-        packed = pack_by_tokens(
-            lengths, max_tokens, strategy=strategy, seed=None, on_overflow=on_overflow
-        )
+        packed = _pack(lengths, max_tokens, strategy, None, on_overflow, stacklevel=3)
         self.batches = packed.batches
         self.batch_tokens = packed.batch_tokens
         self.stats = packed.stats
@@ -370,10 +384,7 @@ class ExampleCountBatchSampler(_DealtBatchSampler):
         rank: int = 0,
     ):
         super().__init__(shuffle=shuffle, seed=seed, num_replicas=num_replicas, rank=rank)
-        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)):
-            raise TypeError(f"batch_size: expected an int, got {type(batch_size).__name__}")
-        if batch_size < 1:
-            raise ValueError(f"batch_size: expected an int >= 1, got {batch_size}")
+        batch_size = check_int("batch_size", batch_size, 1)
         raw = _as_lengths(lengths)
         kept = np.flatnonzero(raw > 0)
         if self.shuffle:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 from collections import Counter
 
 import numpy as np
@@ -20,6 +21,9 @@ from hf_varlen.packing import (
 )
 
 STRATEGIES = ["bfd", "ffd", "sequential"]
+
+# Packing tests draw lengths past the budget on purpose; the overflow warning has its own tests.
+pytestmark = pytest.mark.filterwarnings("ignore:.*longer than max_tokens:UserWarning")
 
 
 def _lengths(seed, n=2000, high=3000, empty_frac=0.0):
@@ -144,8 +148,8 @@ def test_stats_str_and_type():
         (([1, -2], 8), {}, ValueError, r"lengths\[1\] = -2"),
         (([1.5, 2], 8), {}, TypeError, "lengths: expected integer lengths"),
         (([[1, 2]], 8), {}, ValueError, r"lengths: expected a 1-D sequence"),
-        (([1, 2], 0), {}, ValueError, "max_tokens: expected an int >= 1, got 0"),
-        (([1, 2], 8.0), {}, TypeError, "max_tokens: expected an int"),
+        (([1, 2], 0), {}, ValueError, "max_tokens must be >= 1, got 0"),
+        (([1, 2], 8.0), {}, TypeError, "max_tokens must be an int"),
         (([1, 2], 8), {"strategy": "wrapped"}, ValueError, "strategy: expected one of"),
         (([1, 2], 8), {"on_overflow": "drop"}, ValueError, "on_overflow: expected one of"),
     ],
@@ -243,11 +247,11 @@ def test_sampler_multi_replica_split(num_replicas, shuffle):
 def test_sampler_bad_input():
     with pytest.raises(ValueError, match=r"rank: expected 0 <= rank < num_replicas=2, got 2"):
         TokenBudgetBatchSampler([1, 2], 8, num_replicas=2, rank=2)
-    with pytest.raises(ValueError, match="num_replicas: expected an int >= 1, got 0"):
+    with pytest.raises(ValueError, match="num_replicas must be >= 1, got 0"):
         TokenBudgetBatchSampler([1, 2], 8, num_replicas=0)
     with pytest.raises(ValueError, match="example 0 has 9 tokens"):
         TokenBudgetBatchSampler([9, 2], 8, on_overflow="raise")
-    with pytest.raises(ValueError, match="epoch: expected an int >= 0"):
+    with pytest.raises(ValueError, match="epoch must be >= 0"):
         TokenBudgetBatchSampler([1, 2], 8).set_epoch(-1)
 
 
@@ -299,9 +303,9 @@ def test_example_count_sampler(num_replicas, shuffle):
 
 
 def test_example_count_sampler_bad_input():
-    with pytest.raises(ValueError, match="batch_size: expected an int >= 1, got 0"):
+    with pytest.raises(ValueError, match="batch_size must be >= 1, got 0"):
         ExampleCountBatchSampler([1, 2], 0)
-    with pytest.raises(TypeError, match="batch_size: expected an int, got float"):
+    with pytest.raises(TypeError, match=r"batch_size must be an int, got 2.0 \(float\)"):
         ExampleCountBatchSampler([1, 2], 2.0)
     with pytest.raises(ValueError, match=r"rank: expected 0 <= rank < num_replicas=2, got 2"):
         ExampleCountBatchSampler([1, 2], 1, num_replicas=2, rank=2)
@@ -312,7 +316,9 @@ def test_sampler_with_dataloader_and_collator():
     lengths = np.append(rng.integers(1, 300, size=200), [0, 700])
     data = [{"input_ids": rng.integers(0, 1000, size=n).tolist()} for n in lengths]
     budget = 512
-    sampler = TokenBudgetBatchSampler(lengths, budget, seed=1, num_replicas=3, rank=2)
+    sampler = TokenBudgetBatchSampler(
+        lengths, budget, seed=1, num_replicas=3, rank=2, on_overflow="truncate"
+    )
     collator = PackingCollator(max_length=budget, pad_to_multiple_of=64)
     loader = torch.utils.data.DataLoader(data, batch_sampler=sampler, collate_fn=collator)
     steps = 0
@@ -321,6 +327,69 @@ def test_sampler_with_dataloader_and_collator():
         assert 0 < batch["input_ids"].shape[1] <= budget  # budget is a multiple of 64
         assert batch["cu_seq_lens_q"][-1] == batch["input_ids"].shape[1]
     assert steps == len(sampler)
+
+
+def _overflow_warnings(record):
+    return [w for w in record if "longer than max_tokens" in str(w.message)]
+
+
+def test_overflow_default_warns_once_naming_the_collator_fix():
+    # pack_by_tokens counts a 2500-token example as 256; a collator without max_length would emit
+    # it whole, so the default says so once, with the fix.
+    lengths = [2500, 100, 3000, 50]
+    with pytest.warns(UserWarning) as record:
+        result = pack_by_tokens(lengths, 256)
+    (warning,) = _overflow_warnings(record)
+    text = str(warning.message)
+    assert "2 of 4 examples are longer than max_tokens=256 (longest 3000)" in text
+    assert "PackingCollator(max_length=256)" in text and "on_overflow='truncate'" in text
+    assert warning.filename == __file__  # points at the caller, not at hf_varlen
+    # The packing itself is the explicit 'truncate' one.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert pack_by_tokens(lengths, 256, on_overflow="truncate") == result
+        assert pack_by_tokens([10, 256], 256).stats.num_truncated == 0  # at the budget: no warning
+
+
+def test_sampler_with_collator_without_max_length_warns():
+    """The issue's case: a 256-token budget, a PackingCollator() without max_length, and rows of
+    2500 tokens. The sampler warns once at construction; with the collator it names, rows fit."""
+    rng = np.random.default_rng(0)
+    lengths = np.append(rng.integers(1, 200, size=40), [2500])
+    data = [{"input_ids": rng.integers(0, 1000, size=n).tolist()} for n in lengths]
+    with pytest.warns(UserWarning) as record:
+        sampler = TokenBudgetBatchSampler(lengths, 256, seed=0)
+    (warning,) = _overflow_warnings(record)
+    assert "1 of 41 examples" in str(warning.message)
+    assert "PackingCollator(max_length=256)" in str(warning.message)
+    assert warning.filename == __file__
+
+    def widths(collator):
+        loader = torch.utils.data.DataLoader(data, batch_sampler=sampler, collate_fn=collator)
+        return [batch["input_ids"].shape[1] for batch in loader]
+
+    assert max(widths(PackingCollator())) == 2500  # what the warning is about
+    assert max(widths(PackingCollator(max_length=256))) <= 256  # the fix it names
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        TokenBudgetBatchSampler(lengths, 256, on_overflow="truncate")
+    with pytest.raises(ValueError, match="example 40 has 2500 tokens"):
+        TokenBudgetBatchSampler(lengths, 256, on_overflow="raise")
+
+
+def test_empty_sampler_batch_and_collator():
+    """A rank's filler batch [] collates to an all-padding row with padding, else a clear error."""
+    sampler = TokenBudgetBatchSampler([5, 5, 5], 5, shuffle=False, num_replicas=2, rank=1)
+    assert list(sampler)[-1] == []
+    data = [{"input_ids": [1] * 5}] * 3
+    padded = PackingCollator(pad_to_multiple_of=8)
+    assert [b["input_ids"].shape[1] for b in _loader(data, sampler, padded)] == [8, 8]
+    with pytest.raises(ValueError, match="no token to pack"):
+        list(_loader(data, sampler, PackingCollator()))
+
+
+def _loader(data, sampler, collator):
+    return torch.utils.data.DataLoader(data, batch_sampler=sampler, collate_fn=collator)
 
 
 # --------------------------------------------------------------------------- real data
