@@ -9,9 +9,15 @@ attends only within each packed document, on the fastest varlen attention backen
 
 from __future__ import annotations
 
-from .attention import varlen_attention
-from .backends import available_backends, default_backend, register_backend, set_backend
+from .backends import (
+    available_backends,
+    default_backend,
+    model_backend,
+    register_backend,
+    set_backend,
+)
 from .collator import PackingCollator
+from .functional import varlen_attention
 from .integrations.hub_package import enable_local_hub_kernel, hub_kernel_path
 from .integrations.kernelize import KernelizeReport, kernelize
 from .integrations.loss import (
@@ -49,6 +55,7 @@ __all__ = [
     "pack_by_tokens",
     "available_backends",
     "default_backend",
+    "model_backend",
     "register",
     "register_backend",
     "set_backend",

@@ -1,34 +1,23 @@
-"""Public functional varlen attention with FlashAttention-2 semantics and argument names.
+"""The public functional API: ``hf_varlen.varlen_attention``, FlashAttention-2 semantics and names.
 
     q: (T_q, H_q, D)    k, v: (T_k, H_kv, D)    cu_seqlens_q/k: (n_docs + 1,) int32    -> (T_q, H_q, D)
 
-Validation happens here, on the host, before any kernel launch: cheap checks always (types,
+Validation happens here, once, on the host, before any kernel launch: cheap checks always (types,
 dtypes, devices, shapes, head counts), full checks that need a device sync (monotonic cu_seqlens,
-cu[-1] == T, max_seqlen >= the true maximum) with ``validate=True`` or ``HF_VARLEN_VALIDATE=1``.
+cu[-1] == T, max_seqlen >= the true maximum) with ``validate=True`` or ``HF_VARLEN_VALIDATE=1``
+(backends that copy the offsets to the host anyway, sdpa / reference / xformers, always run them).
+The call is then described once, as ``VarlenMetadata`` + ``AttentionParams``, and handed to the
+backend (hf_varlen/backends/registry.py has the backend signature).
 """
 
 from __future__ import annotations
 
-import os
 from numbers import Integral
 
 import torch
 
-from .backends import Request, resolve
-from .backends.registry import LONG_DOCUMENT_TOKENS
-
-
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
-
-
-def deterministic_requested(deterministic: bool) -> bool:
-    """The argument, FLASH_ATTENTION_DETERMINISTIC=1, or torch's global deterministic mode."""
-    return (
-        bool(deterministic)
-        or _env_flag("FLASH_ATTENTION_DETERMINISTIC")
-        or torch.are_deterministic_algorithms_enabled()
-    )
+from .backends import AttentionParams, Request, VarlenMetadata, resolve
+from .ops.common import check_offsets, deterministic_requested, env_flag
 
 
 def _check_cu(name: str, cu, device) -> None:
@@ -55,26 +44,6 @@ def _check_max(name: str, value) -> int:
     if not isinstance(value, Integral) or value < 0:
         raise TypeError(f"{name} must be a non-negative int, got {value!r}")
     return int(value)
-
-
-def _full_validation(name: str, cu: torch.Tensor, total: int, max_len: int) -> None:
-    host = cu.tolist()
-    if host[0] != 0:
-        raise ValueError(f"{name}[0] must be 0, got {host[0]}")
-    lengths = [b - a for a, b in zip(host[:-1], host[1:])]
-    bad = next((i for i, n in enumerate(lengths) if n < 0), None)
-    if bad is not None:
-        raise ValueError(
-            f"{name} must be non-decreasing; entry {bad + 1} ({host[bad + 1]}) < entry {bad} ({host[bad]})"
-        )
-    if host[-1] != total:
-        raise ValueError(
-            f"{name}[-1] must equal the number of packed tokens {total}, got {host[-1]}"
-        )
-    if max(lengths) > max_len:
-        raise ValueError(
-            f"max_seqlen for {name} is {max_len} but the longest document has {max(lengths)} tokens"
-        )
 
 
 def validate_inputs(
@@ -111,6 +80,8 @@ def validate_inputs(
         )
     if q.shape[2] != k.shape[2]:
         raise ValueError(f"q and k must have the same head_dim, got {q.shape[2]} and {k.shape[2]}")
+    if q.shape[2] == 0 or v.shape[2] == 0:
+        raise ValueError(f"head_dim must be >= 1, got q {tuple(q.shape)} and v {tuple(v.shape)}")
     if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
         raise ValueError(
             f"the number of query heads ({q.shape[1]}) must be a multiple of the number of "
@@ -140,8 +111,8 @@ def validate_inputs(
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     if full:
-        _full_validation("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_q)
-        _full_validation("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_k)
+        check_offsets("cu_seqlens_q", cu_seqlens_q.tolist(), q.shape[0], max_q)
+        check_offsets("cu_seqlens_k", cu_seqlens_k.tolist(), k.shape[0], max_k)
     return max_q, max_k
 
 
@@ -178,12 +149,15 @@ def varlen_attention(
         deterministic: request a bitwise-repeatable backward (also FLASH_ATTENTION_DETERMINISTIC=1
             or torch.use_deterministic_algorithms(True)).
         backend: "auto" or a name from ``hf_varlen.available_backends()``. An explicit backend that
-            cannot serve the call raises; it never falls back silently.
+            cannot serve the call raises; it never falls back silently. "auto" means the model's
+            scoped backend (inside a model, ``set_backend(name, model=...)``), else the process
+            default (``set_backend`` / $HF_VARLEN_BACKEND), else the first capable backend.
         validate: run the checks that need a device sync; default from HF_VARLEN_VALIDATE.
     Returns:
-        (T_q, H_q, D) attention output.
+        (T_q, H_q, D) attention output; an empty pack (T = 0) gives an empty output, and queries
+        that see no key give zeros.
     """
-    full = _env_flag("HF_VARLEN_VALIDATE") if validate is None else bool(validate)
+    full = env_flag("HF_VARLEN_VALIDATE") if validate is None else bool(validate)
     max_q, max_k = validate_inputs(
         q,
         k,
@@ -198,40 +172,24 @@ def varlen_attention(
         dropout_p,
         full,
     )
-    window = (int(window_size[0]), int(window_size[1]))
-    det = deterministic_requested(deterministic)
-    req = Request(
-        device=q.device.type,
-        dtype=q.dtype,
+    metadata = VarlenMetadata(cu_seqlens_q, cu_seqlens_k, max_q, max_k)
+    params = AttentionParams.create(
         head_dim=q.shape[-1],
         causal=bool(causal),
-        window=window != (-1, -1),
-        softcap=softcap > 0,
-        dropout=dropout_p > 0,
-        deterministic=det,
-        needs_grad=torch.is_grad_enabled()
-        and (q.requires_grad or k.requires_grad or v.requires_grad),
-        long_documents=max(max_q, max_k) >= LONG_DOCUMENT_TOKENS,
+        window_size=window_size,
+        softmax_scale=softmax_scale,
+        softcap=softcap,
+        dropout_p=dropout_p,
+        deterministic=deterministic_requested(deterministic),
     )
-    spec = resolve(backend, req)
+    spec = resolve(backend, Request.for_call(q, k, v, metadata, params))
+    if q.shape[0] == 0 or k.shape[0] == 0:
+        # An empty pack (or no keys): every query sees nothing, so the output is zeros (FA rule).
+        return q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])
     if q.stride(-1) != 1:  # every kernel needs a unit-stride head dim; other strides are fine
         q = q.contiguous()
     if k.stride(-1) != 1:
         k = k.contiguous()
     if v.stride(-1) != 1:
         v = v.contiguous()
-    return spec.fn(
-        q,
-        k,
-        v,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_q,
-        max_k,
-        softmax_scale=q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale),
-        causal=bool(causal),
-        window_size=window,
-        softcap=float(softcap),
-        dropout_p=float(dropout_p),
-        deterministic=det,
-    )
+    return spec.fn(q, k, v, metadata, params)

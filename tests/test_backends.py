@@ -350,17 +350,17 @@ def test_auto_on_cuda_prefers_triton_and_fa4_for_long_documents(monkeypatch):
 
 
 def test_long_documents_flag_follows_max_seqlen(monkeypatch):
-    from hf_varlen import attention
+    from hf_varlen import functional
     from hf_varlen.backends import registry
 
     seen = []
-    real = attention.resolve
+    real = functional.resolve
 
     def spy(name, req):
         seen.append(req.long_documents)
         return real(name, req)
 
-    monkeypatch.setattr(attention, "resolve", spy)
+    monkeypatch.setattr(functional, "resolve", spy)
     q = torch.randn(8, 2, 16)
     cu = torch.tensor([0, 8], dtype=torch.int32)
     for max_len in (8, registry.LONG_DOCUMENT_TOKENS):

@@ -14,13 +14,16 @@ runs an unfused dense path there; the triton backend needs a GPU).
 from __future__ import annotations
 
 from . import fa4, flash_attn, flex, reference, sdpa, torch_varlen, triton, xformers  # noqa: F401
+from .params import AttentionParams, VarlenMetadata
 from .registry import (
+    MODEL_BACKEND_ATTR,
     BackendSpec,
     Request,
     auto_order,
     available_backends,
     default_backend,
     get_spec,
+    model_backend,
     register_backend,
     resolve,
     set_auto_order,
@@ -36,12 +39,16 @@ set_auto_order(
 set_auto_order("cpu", ["sdpa", "reference"])
 
 __all__ = [
+    "MODEL_BACKEND_ATTR",
+    "AttentionParams",
     "BackendSpec",
     "Request",
+    "VarlenMetadata",
     "auto_order",
     "available_backends",
     "default_backend",
     "get_spec",
+    "model_backend",
     "register_backend",
     "resolve",
     "set_auto_order",

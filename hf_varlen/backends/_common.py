@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-import weakref
-
 import torch
+
+from ..ops.common import TensorCache, check_offsets, clamp_offsets
+
+_HOST = TensorCache(size=2)  # cu_q and cu_k of the current batch
+_SAFE = TensorCache(size=2)
 
 
 def expand_kv(x: torch.Tensor, group: int) -> torch.Tensor:
@@ -12,51 +15,34 @@ def expand_kv(x: torch.Tensor, group: int) -> torch.Tensor:
     return x if group == 1 else x.repeat_interleave(group, dim=1)
 
 
-def causal_window(causal: bool, window_size: tuple[int, int]) -> tuple[int, int]:
-    """FA window with causality folded in: (left, right), -1 = unbounded."""
-    left, right = window_size
-    if causal:
-        right = 0
-    return left, right
+def host_offsets_qk(q, k, metadata) -> tuple[list[int], list[int]]:
+    """Both checked offset lists of one call (``host_offsets`` for cu_seqlens_q and _k)."""
+    bq = host_offsets(metadata.cu_seqlens_q, "cu_seqlens_q", q.shape[0], metadata.max_seqlen_q)
+    bk = host_offsets(metadata.cu_seqlens_k, "cu_seqlens_k", k.shape[0], metadata.max_seqlen_k)
+    return bq, bk
 
 
-class _IdentityCache:
-    """One-entry cache keyed on a tensor's identity and version (no hashing of contents).
+def host_offsets(cu_seqlens: torch.Tensor, name: str, total: int, max_len: int) -> list[int]:
+    """cu_seqlens as a checked Python list: one device sync per batch, cached across layers.
 
-    Every layer of one forward pass receives the *same* cu_seqlens / position_ids tensor object,
-    so derived data (host lengths, masks, metadata) is computed once per batch, not once per layer.
+    The offsets are on the host here anyway, so the full check (starts at 0, non-decreasing, ends at
+    ``total``, no document longer than ``max_len``) is always on; bad offsets raise ValueError.
     """
 
-    def __init__(self) -> None:
-        self._ref = None
-        self._version = -1
-        self._extra = None
-        self._value = None
+    def build() -> list[int]:
+        host = cu_seqlens.tolist()
+        check_offsets(name, host, total, max_len)
+        return host
 
-    def get(self, key: torch.Tensor, extra=None):
-        if (
-            self._ref is not None
-            and self._ref() is key
-            and key._version == self._version
-            and self._extra == extra
-        ):
-            return self._value
-        return None
-
-    def put(self, key: torch.Tensor, value, extra=None):
-        self._ref = weakref.ref(key)
-        self._version = key._version
-        self._extra = extra
-        self._value = value
-        return value
+    return _HOST.get_or_compute(cu_seqlens, build, extra=(total, max_len))
 
 
-_LENGTHS = _IdentityCache()
+def safe_offsets(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """Offsets clamped into [0, total] and made non-decreasing, on the device (no sync; cached per
+    batch). Valid offsets come back unchanged; invalid ones can no longer send a kernel that trusts
+    them (FlashAttention's) outside the packed tensors."""
 
+    def build() -> torch.Tensor:
+        return clamp_offsets(cu_seqlens, total).to(torch.int32)
 
-def host_bounds(cu_seqlens: torch.Tensor) -> list[int]:
-    """cu_seqlens as a Python list (one device sync per batch, cached across layers)."""
-    hit = _LENGTHS.get(cu_seqlens)
-    if hit is None:
-        hit = _LENGTHS.put(cu_seqlens, cu_seqlens.tolist())
-    return hit
+    return _SAFE.get_or_compute(cu_seqlens, build, extra=total)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from ._common import safe_offsets
 from .registry import BackendSpec, register_backend
 
 
@@ -17,24 +18,9 @@ def _fa4_func():
     return flash_attn_varlen_func
 
 
-def fa4_backend(
-    q,
-    k,
-    v,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_q,
-    max_seqlen_k,
-    *,
-    softmax_scale,
-    causal,
-    window_size,
-    softcap,
-    dropout_p,
-    deterministic,
-):
-    left, right = window_size
-    if causal:
+def fa4_backend(q, k, v, metadata, params):
+    left, right = params.window
+    if params.causal:  # FA4 spells "causal, no window" as (None, None)
         window = (left, 0) if left >= 0 else (None, None)
     else:
         window = (None if left < 0 else left, None if right < 0 else right)
@@ -42,15 +28,15 @@ def fa4_backend(
         q,
         k,
         v,
-        cu_seqlens_q=cu_seqlens_q,
-        cu_seqlens_k=cu_seqlens_k,
-        max_seqlen_q=max_seqlen_q,
-        max_seqlen_k=max_seqlen_k,
-        softmax_scale=softmax_scale,
-        causal=causal,
+        cu_seqlens_q=safe_offsets(metadata.cu_seqlens_q, q.shape[0]),
+        cu_seqlens_k=safe_offsets(metadata.cu_seqlens_k, k.shape[0]),
+        max_seqlen_q=metadata.max_seqlen_q,
+        max_seqlen_k=metadata.max_seqlen_k,
+        softmax_scale=params.softmax_scale,
+        causal=params.causal,
         window_size=window,
-        softcap=softcap,
-        deterministic=deterministic,
+        softcap=params.softcap,
+        deterministic=params.deterministic,
     )
     return out[0] if isinstance(out, tuple) else out
 
@@ -67,17 +53,9 @@ def _probe() -> str | None:
     return None
 
 
-register_backend(
-    BackendSpec(
-        name="fa4",
-        fn=fa4_backend,
-        description="FlashAttention-4 (flash_attn.cute), CuTe DSL kernels for sm90/sm100",
-        requires="pip install flash-attn-4 (+ nvidia-cutlass-dsl); Hopper or Blackwell GPU",
-        max_head_dim=256,
-        head_dim_multiple=8,
-        sliding_window=True,
-        softcap=True,
-        dropout=False,
-        probe=_probe,
-    )
-)
+register_backend(BackendSpec(
+    name="fa4", fn=fa4_backend, probe=_probe, description="FlashAttention-4 (flash_attn.cute), CuTe DSL kernels "
+    "for sm90/sm100",
+    requires="pip install flash-attn-4 (+ nvidia-cutlass-dsl); Hopper or Blackwell GPU",
+    max_head_dim=256, head_dim_multiple=8, sliding_window=True, softcap=True,
+))  # fmt: skip

@@ -12,6 +12,7 @@ import importlib.util
 
 import torch
 
+from ._common import safe_offsets
 from .registry import BackendSpec, register_backend
 
 
@@ -25,33 +26,20 @@ def _fa_func():
     return importlib.import_module("flash_attn").flash_attn_varlen_func, 2
 
 
-def flash_attn_backend(
-    q,
-    k,
-    v,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_q,
-    max_seqlen_k,
-    *,
-    softmax_scale,
-    causal,
-    window_size,
-    softcap,
-    dropout_p,
-    deterministic,
-):
+def flash_attn_backend(q, k, v, metadata, params):
     fn, major = _fa_func()
     kw = dict(
-        softmax_scale=softmax_scale,
-        causal=causal,
-        window_size=window_size,
-        softcap=softcap,
-        deterministic=deterministic,
+        softmax_scale=params.softmax_scale,
+        causal=params.causal,
+        window_size=params.window,
+        softcap=params.softcap,
+        deterministic=params.deterministic,
     )
     if major == 2:
-        kw["dropout_p"] = dropout_p
-    out = fn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **kw)
+        kw["dropout_p"] = params.dropout_p
+    cu_q = safe_offsets(metadata.cu_seqlens_q, q.shape[0])
+    cu_k = safe_offsets(metadata.cu_seqlens_k, k.shape[0])
+    out = fn(q, k, v, cu_q, cu_k, metadata.max_seqlen_q, metadata.max_seqlen_k, **kw)
     return out[0] if isinstance(out, tuple) else out
 
 
@@ -65,17 +53,10 @@ def _probe() -> str | None:
     return None if callable(fn) else "flash_attn_varlen_func not found"
 
 
-register_backend(
-    BackendSpec(
-        name="flash_attn",
-        fn=flash_attn_backend,
-        description="FlashAttention-3 (Hopper) if installed, else FlashAttention-2",
-        requires="pip install flash-attn (FA2) or the FA3 hopper build; CUDA",
-        max_head_dim=256,
-        head_dim_multiple=8,
-        sliding_window=True,
-        softcap=True,
-        dropout=not _has_fa3(),
-        probe=_probe,
-    )
-)
+register_backend(BackendSpec(
+    name="flash_attn", fn=flash_attn_backend, probe=_probe,
+    description="FlashAttention-3 (Hopper) if installed, else FlashAttention-2",
+    requires="pip install flash-attn (FA2) or the FA3 hopper build; CUDA",
+    dropout=not _has_fa3(),  # FA3 has no dropout
+    max_head_dim=256, head_dim_multiple=8, sliding_window=True, softcap=True,
+))  # fmt: skip

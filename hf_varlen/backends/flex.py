@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from ._common import _IdentityCache, causal_window
+from ..ops.common import TensorCache, causal_window
 from .registry import BackendSpec, register_backend
 
-_MASKS = _IdentityCache()
+_MASKS = TensorCache(size=2)  # a model with sliding and full layers uses two masks per batch
 _BLOCK = 128
 _COMPILED = {}
 
@@ -42,56 +42,40 @@ def _doc_index(cu: torch.Tensor, total: int):
     return doc, tok - cu[doc], lengths
 
 
-def document_block_mask(cu_q, cu_k, total_q, total_k, *, causal, window_size, heads=None):
+def document_block_mask(cu_q, cu_k, total_q, total_k, *, causal, window_size):
     """BlockMask allowing (q, kv) pairs inside one document, under the FA visibility rules."""
-    key = (total_q, total_k, causal, window_size)
-    hit = _MASKS.get(cu_q, extra=(id(cu_k), key))
-    if hit is not None:
-        return hit
-    _, create_block_mask = _flex_fns(cu_q.device.type)
-    doc_q, pos_q, len_q = _doc_index(cu_q, total_q)
-    doc_k, pos_k, len_k = _doc_index(cu_k, total_k)
-    shift = (len_k - len_q).to(torch.int32)  # bottom-right alignment when L_k != L_q
     left, right = causal_window(causal, window_size)
 
-    def mask_mod(b, h, qi, ki):
-        same = doc_q[qi] == doc_k[ki]
-        rel = pos_k[ki] - (pos_q[qi] + shift[doc_q[qi]])  # key position relative to the diagonal
-        ok = same
-        if right >= 0:
-            ok = ok & (rel <= right)
-        if left >= 0:
-            ok = ok & (rel >= -left)
-        return ok
+    def build():
+        _, create_block_mask = _flex_fns(cu_q.device.type)
+        doc_q, pos_q, len_q = _doc_index(cu_q, total_q)
+        doc_k, pos_k, len_k = _doc_index(cu_k, total_k)
+        shift = (len_k - len_q).to(torch.int32)  # bottom-right alignment when L_k != L_q
 
-    mask = create_block_mask(
-        mask_mod,
-        None,
-        None,
-        total_q,
-        total_k,
-        device=cu_q.device,
-        _compile=cu_q.device.type == "cuda",
-    )
-    return _MASKS.put(cu_q, mask, extra=(id(cu_k), key))
+        def mask_mod(b, h, qi, ki):
+            same = doc_q[qi] == doc_k[ki]
+            rel = pos_k[ki] - (pos_q[qi] + shift[doc_q[qi]])  # key position relative to diagonal
+            ok = same
+            if right >= 0:
+                ok = ok & (rel <= right)
+            if left >= 0:
+                ok = ok & (rel >= -left)
+            return ok
+
+        return create_block_mask(
+            mask_mod,
+            None,
+            None,
+            total_q,
+            total_k,
+            device=cu_q.device,
+            _compile=cu_q.device.type == "cuda",
+        )
+
+    return _MASKS.get_or_compute((cu_q, cu_k), build, extra=(total_q, total_k, left, right))
 
 
-def flex_backend(
-    q,
-    k,
-    v,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_q,
-    max_seqlen_k,
-    *,
-    softmax_scale,
-    causal,
-    window_size,
-    softcap,
-    dropout_p,
-    deterministic,
-):
+def flex_backend(q, k, v, metadata, params):
     attn, _ = _flex_fns(q.device.type)
     t_q = q.shape[0]
     # Pad the token axis to a multiple of the 128-token block: FlexAttention's compiled kernels have
@@ -103,9 +87,15 @@ def flex_backend(
         k = torch.nn.functional.pad(k, (0, 0, 0, 0, 0, pad_k))
         v = torch.nn.functional.pad(v, (0, 0, 0, 0, 0, pad_k))
     mask = document_block_mask(
-        cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], causal=causal, window_size=window_size
+        metadata.cu_seqlens_q,
+        metadata.cu_seqlens_k,
+        q.shape[0],
+        k.shape[0],
+        causal=params.causal,
+        window_size=params.window,
     )
     score_mod = None
+    softcap = params.softcap
     if softcap > 0:
 
         def score_mod(score, b, h, qi, ki):
@@ -117,7 +107,7 @@ def flex_backend(
         v.transpose(0, 1).unsqueeze(0),
         score_mod=score_mod,
         block_mask=mask,
-        scale=softmax_scale,
+        scale=params.softmax_scale,
         enable_gqa=q.shape[1] != k.shape[1],
     )
     return out[0, :, :t_q].transpose(0, 1)
@@ -131,18 +121,12 @@ def _probe() -> str | None:
     return None
 
 
-register_backend(
-    BackendSpec(
-        name="flex",
-        fn=flex_backend,
-        description="FlexAttention with a document BlockMask shared by all layers (compiled on CUDA)",
-        requires="torch >= 2.5 (CUDA for speed; CPU runs the unfused path)",
-        devices=frozenset({"cpu", "cuda"}),
-        dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
-        backward_devices=frozenset({"cuda"}),  # torch's FlexAttention has no CPU backward
-        sliding_window=True,
-        softcap=True,
-        dropout=False,
-        probe=_probe,
-    )
-)
+register_backend(BackendSpec(
+    name="flex", fn=flex_backend, probe=_probe,
+    description="FlexAttention with a document BlockMask shared by all layers (compiled on CUDA)",
+    requires="torch >= 2.5 (CUDA for speed; CPU runs the unfused path)",
+    devices=frozenset({"cpu", "cuda"}),
+    dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
+    backward_devices=frozenset({"cuda"}),  # torch's FlexAttention has no CPU backward
+    sliding_window=True, softcap=True,
+))  # fmt: skip

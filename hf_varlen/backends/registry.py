@@ -2,15 +2,24 @@
 
 A backend is a function over packed tensors with FlashAttention-2 semantics
 
-    fn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, softmax_scale, causal,
-       window_size, softcap, dropout_p, deterministic) -> out
+    fn(q, k, v, metadata: VarlenMetadata, params: AttentionParams) -> out
 
-    q: (T_q, H_q, D)   k, v: (T_k, H_kv, D)   cu_seqlens_*: (n_docs + 1,) int32   out: (T_q, H_q, D)
+    q: (T_q, H_q, D)   k, v: (T_k, H_kv, D)   out: (T_q, H_q, D_v)   (T >= 1)
+    metadata.cu_seqlens_q/k: (n_docs + 1,) int32 on q's device; metadata.max_seqlen_q/k: ints
+    params.window: (left, right) with causality folded in ((-1, 0) = causal, (-1, -1) = full);
+    params.softmax_scale (float), .softcap (0 = off), .dropout_p, .deterministic (resolved);
+    params.causal / params.sliding_window: derived views of the window.
 
-plus a ``BackendSpec`` that says what it supports. The public entry point validates inputs, checks
-the requested features against the spec *before* any launch, and only then calls ``fn``; so a
-backend function may assume valid, supported input. Backends register themselves at import of
-``hf_varlen.backends``; ``register_backend`` is public so users can add their own.
+(``hf_varlen.backends.params``), plus a ``BackendSpec`` that says what it supports. The public
+entry point validates inputs once, builds ``params`` once, checks the requested features against
+the spec *before* any launch, and only then calls ``fn``; so a backend function may assume valid,
+supported input (offsets are only checked where they are on the host anyway). Backends register
+themselves at import of ``hf_varlen.backends``; ``register_backend`` is public so users can add
+their own with the signature above.
+
+Which backend a call gets: an explicit ``backend=`` argument, else the backend scoped to the model
+(``set_backend(name, model=model)``, read by the transformers integration), else the process
+default (``set_backend(name)`` / ``$HF_VARLEN_BACKEND``), else "auto".
 """
 
 from __future__ import annotations
@@ -22,9 +31,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-logger = logging.getLogger("hf_varlen")
+from .params import AttentionParams, VarlenMetadata
 
-BackendFn = Callable[..., torch.Tensor]
+logger = logging.getLogger("hf_varlen")
+# The attribute set_backend(name, model=...) puts on every submodule of that model.
+MODEL_BACKEND_ATTR = "hf_varlen_backend"
+
+# fn(q, k, v, metadata, params) -> out (see the module docstring)
+BackendFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, VarlenMetadata, AttentionParams], torch.Tensor
+]
 
 
 @dataclass(frozen=True)
@@ -63,7 +79,10 @@ _DEFAULT = {"name": None}
 
 
 def register_backend(spec: BackendSpec, *, auto_rank: int | None = None) -> None:
-    """Add (or replace) a backend. ``auto_rank`` inserts it into the CUDA "auto" order at that index."""
+    """Add (or replace) a backend. ``auto_rank`` inserts it into the CUDA "auto" order at that index.
+
+    ``spec.fn`` is called as ``fn(q, k, v, metadata, params)`` (module docstring).
+    """
     _REGISTRY[spec.name] = spec
     _PROBE_CACHE.pop(spec.name, None)
     if auto_rank is not None:
@@ -123,19 +142,37 @@ def available_backends() -> list[str]:
     return [n for n in _REGISTRY if unavailable_reason(n) is None]
 
 
-def set_backend(name: str | None) -> None:
-    """Set the process-wide default backend ("auto", a registered name, or None to reset).
+def set_backend(name: str | None, *, model: torch.nn.Module | None = None) -> None:
+    """Choose the backend: process-wide, or for one model only.
 
-    An explicit name is checked now: asking for a backend that cannot run raises immediately.
+    Without ``model``: the process-wide default ("auto", a registered name, or None to reset).
+    With ``model``: only that model's attention uses ``name`` (every submodule carries the choice,
+    so the transformers attention function reads it from the module it is called with); the
+    process default is untouched. ``None`` or "auto" removes the model's choice (it then follows
+    the process default). An explicit name is checked now: a backend that cannot run raises here.
     """
-    if name is None or name == "auto":
-        _DEFAULT["name"] = None if name is None else "auto"
+    if name is not None and name != "auto":
+        get_spec(name)
+        reason = unavailable_reason(name)
+        if reason is not None:
+            raise RuntimeError(f"set_backend({name!r}): this backend cannot run here: {reason}")
+    if model is None:
+        _DEFAULT["name"] = name
         return
-    get_spec(name)
-    reason = unavailable_reason(name)
-    if reason is not None:
-        raise RuntimeError(f"set_backend({name!r}): this backend cannot run here: {reason}")
-    _DEFAULT["name"] = name
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(
+            f"set_backend(model=...) needs a torch.nn.Module, got {type(model).__name__}"
+        )
+    for module in model.modules():
+        if name is None or name == "auto":
+            module.__dict__.pop(MODEL_BACKEND_ATTR, None)
+        else:
+            setattr(module, MODEL_BACKEND_ATTR, name)
+
+
+def model_backend(model: torch.nn.Module) -> str | None:
+    """The backend scoped to ``model`` by ``set_backend(name, model=model)``, or None."""
+    return getattr(model, MODEL_BACKEND_ATTR, None)
 
 
 def default_backend() -> str:
@@ -157,6 +194,24 @@ class Request:
     deterministic: bool = False
     needs_grad: bool = False
     long_documents: bool = False  # a document of >= LONG_DOCUMENT_TOKENS (only steers "auto")
+
+    @classmethod
+    def for_call(cls, q, k, v, metadata: VarlenMetadata, params: AttentionParams) -> Request:
+        """The features one validated call needs."""
+        return cls(
+            device=q.device.type,
+            dtype=q.dtype,
+            head_dim=q.shape[-1],
+            causal=params.causal,
+            window=params.sliding_window,
+            softcap=params.softcap > 0,
+            dropout=params.dropout_p > 0,
+            deterministic=params.deterministic,
+            needs_grad=torch.is_grad_enabled()
+            and (q.requires_grad or k.requires_grad or v.requires_grad),
+            long_documents=max(metadata.max_seqlen_q, metadata.max_seqlen_k)
+            >= LONG_DOCUMENT_TOKENS,
+        )
 
     def unsupported(self, spec: BackendSpec) -> list[str]:
         """Names of the requested features ``spec`` cannot provide (empty = supported)."""
@@ -224,7 +279,8 @@ def resolve(name: str, req: Request) -> BackendSpec:
             tried.append(f"{cand}: {'; '.join(missing)}")
             continue
         key = (cand, req)
-        if key not in _AUTO_LOGGED:
+        # Logged once per choice, and never from inside a traced region (no side effects there).
+        if key not in _AUTO_LOGGED and not torch.compiler.is_compiling():
             _AUTO_LOGGED.add(key)
             logger.info("hf_varlen: backend='auto' chose %r for %s %s", cand, req.device, req.dtype)
         return _REGISTRY[cand]

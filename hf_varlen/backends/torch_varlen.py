@@ -11,7 +11,7 @@ import inspect
 
 import torch
 
-from ._common import causal_window, expand_kv
+from ._common import expand_kv, safe_offsets
 from .registry import BackendSpec, register_backend
 
 
@@ -25,23 +25,7 @@ def _has_gqa_flag() -> bool:
     return "enable_gqa" in inspect.signature(_varlen_attn()).parameters
 
 
-def torch_backend(
-    q,
-    k,
-    v,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_q,
-    max_seqlen_k,
-    *,
-    softmax_scale,
-    causal,
-    window_size,
-    softcap,
-    dropout_p,
-    deterministic,
-):
-    fn = _varlen_attn()
+def torch_backend(q, k, v, metadata, params):
     extra = {}
     group = q.shape[1] // k.shape[1]
     if group > 1:
@@ -49,16 +33,16 @@ def torch_backend(
             extra["enable_gqa"] = True
         else:
             k, v = expand_kv(k, group), expand_kv(v, group)
-    return fn(
+    return _varlen_attn()(
         q,
         k,
         v,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
-        scale=softmax_scale,
-        window_size=causal_window(causal, window_size),
+        safe_offsets(metadata.cu_seqlens_q, q.shape[0]),
+        safe_offsets(metadata.cu_seqlens_k, k.shape[0]),
+        metadata.max_seqlen_q,
+        metadata.max_seqlen_k,
+        scale=params.softmax_scale,
+        window_size=params.window,
         **extra,
     )
 
@@ -73,18 +57,8 @@ def _probe() -> str | None:
     return None
 
 
-register_backend(
-    BackendSpec(
-        name="torch",
-        fn=torch_backend,
-        description="torch.nn.attention.varlen.varlen_attn (FlashAttention-2 bundled in PyTorch)",
-        requires="torch >= 2.11 with CUDA",
-        max_head_dim=256,
-        head_dim_multiple=8,
-        sliding_window=True,
-        softcap=False,
-        dropout=False,
-        deterministic=False,
-        probe=_probe,
-    )
-)
+register_backend(BackendSpec(
+    name="torch", fn=torch_backend, probe=_probe, requires="torch >= 2.11 with CUDA",
+    description="torch.nn.attention.varlen.varlen_attn (FlashAttention-2 bundled in PyTorch)",
+    max_head_dim=256, head_dim_multiple=8, sliding_window=True, deterministic=False,
+))  # fmt: skip

@@ -14,16 +14,16 @@ import torch
 from .registry import BackendSpec, register_backend
 
 
-def triton_backend(
-    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, softmax_scale, causal,
-    window_size, softcap, dropout_p, deterministic,
-):  # fmt: skip
-    from ..ops.attention import triton_varlen_attention
+def triton_backend(q, k, v, metadata, params):
+    from ..ops.attention import triton_attention
 
-    return triton_varlen_attention(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-        softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
-        dropout_p=dropout_p, deterministic=deterministic,
+    if v.shape[-1] != q.shape[-1]:  # the one check the public layer leaves to backends
+        raise ValueError(
+            f"backend='triton' needs v's head_dim ({v.shape[-1]}) equal to q's ({q.shape[-1]})"
+        )
+    return triton_attention(
+        q, k, v, metadata.cu_seqlens_q, metadata.cu_seqlens_k, softmax_scale=params.softmax_scale,
+        window=params.window, softcap=params.softcap, deterministic=params.deterministic,
     )  # fmt: skip
 
 
@@ -37,22 +37,10 @@ def _probe() -> str | None:
     return None
 
 
-register_backend(
-    BackendSpec(
-        name="triton",
-        fn=triton_backend,
-        description="hf_varlen's Triton varlen flash attention (compact heaviest-first tiles, "
-        "several documents per tile, GQA folding, deterministic backward)",
-        requires="triton >= 3.6 and a CUDA GPU",
-        devices=frozenset({"cuda"}),
-        dtypes=frozenset({torch.float16, torch.bfloat16}),
-        max_head_dim=256,
-        sliding_window=True,
-        softcap=True,
-        dropout=False,
-        non_causal=True,
-        deterministic=True,
-        probe=_probe,
-    ),
-    auto_rank=None,
-)
+register_backend(BackendSpec(
+    name="triton", fn=triton_backend, probe=_probe, requires="triton >= 3.6 and a CUDA GPU",
+    description="hf_varlen's Triton varlen flash attention (compact heaviest-first tiles, "
+    "several documents per tile, GQA folding, deterministic backward)",
+    devices=frozenset({"cuda"}), dtypes=frozenset({torch.float16, torch.bfloat16}),
+    max_head_dim=256, sliding_window=True, softcap=True,
+))  # fmt: skip

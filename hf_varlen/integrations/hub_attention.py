@@ -11,9 +11,9 @@ being dropped.
     flash_attn_func:        q (B, T_q, Hq, D), k/v (B, T_k, Hk, D)              -> (B, T_q, Hq, D)
 
 transformers passes a sliding window W as ``window_size=(W - 1, W - 1)`` together with
-``causal=True``; under causal masking the right edge is 0 either way, so it is normalised to
-``(W - 1, 0)`` before the call. ``max_seqlen_*`` may arrive as a 0-d tensor (transformers'
-position_ids path); it is converted to ``int`` once here.
+``causal=True``; causality is folded into the window (the right edge becomes 0) by hf_varlen's one
+definition, ``hf_varlen.ops.common.causal_window``, as on every route. ``max_seqlen_*`` may
+arrive as a 0-d tensor (transformers' position_ids path); it is converted to ``int`` once here.
 
 This file is copied into the generated hub kernel package. Unlike the layers, attention goes through
 the installed ``hf_varlen`` (imported when first called), so the hub route and
@@ -49,13 +49,6 @@ def _unsupported(alibi_slopes, return_attn_probs, s_aux) -> None:
         raise NotImplementedError("hf_varlen attention does not support attention sinks (s_aux)")
 
 
-def _window(window_size, causal: bool) -> tuple[int, int]:
-    left, right = (int(w) for w in window_size)
-    if causal and right != 0 and left >= 0:
-        right = 0  # causal already hides every key to the right
-    return left, right
-
-
 def flash_attn_varlen_func(
     q,
     k,
@@ -76,6 +69,7 @@ def flash_attn_varlen_func(
 ):
     """Packed attention with FA2's ``flash_attn_varlen_func`` signature (see the module doc)."""
     from hf_varlen import varlen_attention
+    from hf_varlen.ops.common import causal_window
 
     _unsupported(alibi_slopes, return_attn_probs, s_aux)
     return varlen_attention(
@@ -88,7 +82,7 @@ def flash_attn_varlen_func(
         _as_int(max_seqlen_k, "max_seqlen_k"),
         softmax_scale=softmax_scale,
         causal=bool(causal),
-        window_size=_window(window_size, bool(causal)),
+        window_size=causal_window(bool(causal), window_size),
         softcap=float(softcap or 0.0),
         dropout_p=float(dropout_p),
         deterministic=bool(deterministic),

@@ -4,7 +4,7 @@ transformers calls ``fn(module, query, key, value, attention_mask, dropout, scal
 query (B, H_q, T_q, D) and key/value (B, H_kv, T_k, D) (GQA not expanded) and expects
 ((B, T_q, H_q, D), None). RoPE has already been applied by the attention module.
 
-Where documents come from (first match wins; see hf_varlen.varlen):
+Where documents come from (first match wins; see hf_varlen.metadata):
   1. collator kwargs ``cu_seq_lens_q/k`` + ``max_length_q/k`` (DataCollatorWithFlattening, TRL 1.16,
      hf_varlen.PackingCollator);
   2. a 2-D padding mask (our mask function passes it through only when a row really has padding;
@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import torch
 
-from ..attention import varlen_attention
-from ..varlen import (
+from ..backends.registry import MODEL_BACKEND_ATTR
+from ..functional import varlen_attention
+from ..metadata import (
     VarlenMetadata,
     from_collator_kwargs,
     from_padding_mask,
@@ -74,7 +75,8 @@ def _metadata(query, key, attention_mask, kwargs) -> VarlenMetadata:
                 "varlen_packed got both packed-sequence kwargs (cu_seq_lens_*) and a padding "
                 "attention_mask; packed batches carry no padding mask: drop attention_mask"
             )
-        return from_collator_kwargs(cu_q, cu_k, max_q, max_k)
+        # checked to cover the batch once per forward in eager mode (one sync), never per layer
+        return from_collator_kwargs(cu_q, cu_k, max_q, max_k, bsz * q_len, bsz * kv_len)
     if attention_mask is not None:
         if attention_mask.dim() != 2:
             raise ValueError(
@@ -84,6 +86,11 @@ def _metadata(query, key, attention_mask, kwargs) -> VarlenMetadata:
         return from_padding_mask(attention_mask, q_len)
     position_ids = kwargs.get("position_ids")
     if bsz == 1 and q_len == kv_len and q_len > 1 and position_ids is not None:
+        if position_ids.numel() != q_len:
+            raise ValueError(
+                f"varlen_packed got position_ids of shape {tuple(position_ids.shape)} for a batch "
+                f"of {q_len} tokens; position_ids must have one entry per token (1, {q_len})"
+            )
         return from_position_ids(position_ids)
     return from_rows(bsz, q_len, kv_len, query.device)
 
@@ -124,8 +131,9 @@ def varlen_packed_forward(
         q, k, v = q[meta.indices_q], k[meta.indices_k], v[meta.indices_k]
     window = (-1, -1)
     if sliding_window is not None and sliding_window > 0:
-        # HF semantics: a token sees itself and the sliding_window - 1 tokens before it.
-        window = (sliding_window - 1, -1 if is_causal else sliding_window - 1)
+        # HF semantics: a token sees itself and the sliding_window - 1 tokens on each side it may
+        # see (varlen_attention folds causality in: right = 0).
+        window = (sliding_window - 1, sliding_window - 1)
     out = varlen_attention(
         q,
         k,
@@ -139,6 +147,7 @@ def varlen_packed_forward(
         window_size=window,
         softcap=float(softcap or 0.0),
         dropout_p=float(dropout or 0.0),
+        backend=getattr(module, MODEL_BACKEND_ATTR, "auto"),  # set_backend(name, model=...)
     )
     if meta.indices_q is not None:
         full = out.new_zeros(bsz * q_len, h_q, out.shape[-1])

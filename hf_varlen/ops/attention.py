@@ -26,25 +26,16 @@ kernel), attention_bwd.py (backward kernels), this file (validation, autograd, p
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
 from .attention_bwd import attention_backward
 from .attention_fwd import attention_forward
 from .attention_schedule import fold_factor, get_plan, pick_config
+from .common import causal_window, deterministic_requested
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
-
-
-def resolve_deterministic(deterministic: bool | None) -> bool:
-    """The deterministic request: the argument, $FLASH_ATTENTION_DETERMINISTIC, or torch's flag."""
-    return bool(
-        deterministic
-        or os.environ.get("FLASH_ATTENTION_DETERMINISTIC", "0") == "1"
-        or torch.are_deterministic_algorithms_enabled()
-    )
 
 
 def _window(causal: bool, window_size) -> tuple[int, int]:
@@ -56,9 +47,7 @@ def _window(causal: bool, window_size) -> tuple[int, int]:
         ) from None
     if left < -1 or right < -1:
         raise ValueError(f"window_size entries must be >= -1 (-1 = unbounded), got {window_size!r}")
-    if causal:
-        right = 0 if right < 0 else min(right, 0)
-    return left, right
+    return causal_window(causal, (left, right))
 
 
 def _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softcap) -> None:
@@ -114,7 +103,7 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 class _TritonVarlenAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cu_q, cu_k, softmax_scale, left, right, softcap):
+    def forward(ctx, q, k, v, cu_q, cu_k, softmax_scale, left, right, softcap, deterministic):
         q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
         cfg = pick_config(q.shape[2], q.dtype, q.device)
         group = q.shape[1] // k.shape[1]
@@ -128,22 +117,22 @@ class _TritonVarlenAttention(torch.autograd.Function):
         )  # fmt: skip
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.plan, ctx.cfg = plan, cfg
-        ctx.args = (softmax_scale, softcap, group)
+        ctx.args = (softmax_scale, softcap, group, deterministic)
         ctx.mark_non_differentiable(lse)
         return o, lse
 
     @staticmethod
     def backward(ctx, do, _dlse):
         q, k, v, o, lse = ctx.saved_tensors
-        softmax_scale, softcap, group = ctx.args
+        softmax_scale, softcap, group, deterministic = ctx.args
         cfg = ctx.cfg
         dq, dk, dv = attention_backward(
             _last_dim_contiguous(do), q, k, v, o, lse, ctx.plan,
-            softmax_scale=softmax_scale, softcap=softcap, cfg=cfg,
+            softmax_scale=softmax_scale, softcap=softcap, cfg=cfg, deterministic=deterministic,
             fold_dq=fold_factor(group, cfg.dq_block_m, cfg.dq_min_tokens),
             fold_kv=fold_factor(group, cfg.kv_block_m, cfg.kv_min_tokens),
         )  # fmt: skip
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 def triton_varlen_attention(
@@ -170,14 +159,18 @@ def triton_varlen_attention(
             are fine as long as the last dimension is contiguous (otherwise it is copied).
         k, v: (T_k, H_kv, D), same dtype and device; H_q must be a multiple of H_kv (GQA/MQA).
         cu_seqlens_q, cu_seqlens_k: (n_docs + 1,) int32 on q's device, non-decreasing, with
-            cu[-1] == T (not checked here: that needs a device sync; rows past cu[-1] give zeros).
+            cu[-1] == T (not checked here: that needs a device sync). Bad offsets are clamped into
+            [0, T] on the device, so they never read or write out of bounds; rows past cu[-1]
+            give zeros.
         max_seqlen_q, max_seqlen_k: accepted for API compatibility; the kernel never needs them.
         softmax_scale: defaults to D ** -0.5.
         causal: causal mask, bottom-right aligned when a document's L_q != L_k.
         window_size: (left, right) sliding window, -1 = unbounded; causal forces right = 0.
         softcap: > 0 applies ``softcap * tanh(s / softcap)`` to the scaled scores (Gemma-2).
         dropout_p: must be 0 (dropout is not implemented; > 0 raises ValueError).
-        deterministic: accepted; the backward is bitwise deterministic in every mode.
+        deterministic: request a bitwise-repeatable backward (also $FLASH_ATTENTION_DETERMINISTIC
+            or torch's deterministic mode); handed to the backward launch, whose atomic-free
+            kernels satisfy it in every mode, at no cost.
         return_lse: also return lse (H_q, T_q) fp32.
 
     Returns:
@@ -186,10 +179,43 @@ def triton_varlen_attention(
     """
     softcap = float(softcap or 0.0)
     _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, float(dropout_p or 0.0), softcap)
-    left, right = _window(causal, window_size)
     scale = 1.0 / math.sqrt(q.shape[2]) if softmax_scale is None else float(softmax_scale)
-    resolve_deterministic(deterministic)  # every mode is deterministic; kept for the contract
+    return triton_attention(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        softmax_scale=scale,
+        window=_window(causal, window_size),
+        softcap=softcap,
+        deterministic=deterministic_requested(deterministic),
+        return_lse=return_lse,
+    )
+
+
+def triton_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    *,
+    softmax_scale: float,
+    window: tuple[int, int],
+    softcap: float,
+    deterministic: bool,
+    return_lse: bool = False,
+):
+    """``triton_varlen_attention`` on input that is already validated (the public
+    ``hf_varlen.varlen_attention`` validates once, then its triton backend calls this).
+
+    ``window`` has causality folded in ((-1, 0) = causal); ``softmax_scale`` is resolved;
+    ``deterministic`` is the resolved request. Offsets are trusted only as far as memory safety
+    goes: the tile plan clamps them into [0, T] on the device (attention_schedule.row_bounds).
+    """
+    left, right = window
     out, lse = _TritonVarlenAttention.apply(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, scale, left, right, softcap
+        q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right, softcap, deterministic
     )
     return (out, lse) if return_lse else out

@@ -324,8 +324,14 @@ def attention_backward(
     cfg,
     fold_dq: int,
     fold_kv: int,
+    deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dQ (+delta) then dK/dV over the plan's heaviest-first orders; returns dq, dk, dv."""
+    """dQ (+delta) then dK/dV over the plan's heaviest-first orders; returns dq, dk, dv.
+
+    ``deterministic`` is the caller's request for a bitwise-repeatable backward. Both launches
+    below are atomic-free (each output row is written by one program), so every call honours it;
+    any future atomic-accumulation path must be taken only when it is False.
+    """
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)

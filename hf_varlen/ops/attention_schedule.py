@@ -11,7 +11,10 @@ visibility never crosses a document, "same document AND causal AND window" is on
         qlo_k[s] = max(q_start, s - k_end + q_end - right)
         qhi_k[s] = min(q_end - 1, s - k_end + q_end + left)
 
-(left/right = -1 drop that term; causal means right = 0). A tile's work is the span
+(left/right = -1 drop that term; causal means right = 0). The offsets are first clamped into
+[0, T] and made non-decreasing on the device (no sync, ``common.clamp_offsets``), so even malformed cu_seqlens (negative, past T, decreasing) give
+bounds inside the packed tensors: the kernels never read or write out of bounds; they compute
+garbage-in-garbage-out but finite values (validation is the host's job where offsets are there). A tile's work is the span
 [min lo, max hi] of its rows, so several short documents share one tile and the block-diagonal mask
 inside it is just ``lo <= col <= hi`` per row. Tiles cover only real tokens: the grid is
 ceil(T / TILE) x heads, known on the host from T alone (no device->host sync), with no empty
@@ -33,11 +36,11 @@ from __future__ import annotations
 import functools
 import json
 import os
-import weakref
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
+
+from .common import TensorCache, clamp_offsets
 
 EMPTY_LO = 2**31 - 1  # lower bound of a row that sees nothing (hi = -1)
 
@@ -131,7 +134,7 @@ class Plan:
 
 def _doc_of(cu: torch.Tensor, n_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Document index of each row (clamped) and whether the row lies inside some document."""
-    rows = torch.arange(n_rows, device=cu.device, dtype=torch.int32)
+    rows = torch.arange(n_rows, device=cu.device, dtype=cu.dtype)
     doc = torch.searchsorted(cu, rows, right=True).to(torch.int64) - 1
     inside = (doc >= 0) & (doc < cu.numel() - 1)
     return doc.clamp_(0, max(cu.numel() - 2, 0)), inside
@@ -141,7 +144,8 @@ def row_bounds(
     cu_q: torch.Tensor, cu_k: torch.Tensor, t_q: int, t_k: int, left: int, right: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-row visibility intervals (see module doc), int32, on cu_q's device."""
-    cq, ck = cu_q.to(torch.int64), cu_k.to(torch.int64)
+    # Memory safety for any offsets: every bound below lies in [0, T - 1] or is the empty interval.
+    cq, ck = clamp_offsets(cu_q, t_q), clamp_offsets(cu_k, t_k)
 
     def finish(lo, hi, inside):
         empty = (lo > hi) | ~inside
@@ -156,7 +160,7 @@ def row_bounds(
         ]
         return e[0], e[1], e[2], e[3]
 
-    doc, inside = _doc_of(cu_q, t_q)
+    doc, inside = _doc_of(cq, t_q)
     t = torch.arange(t_q, device=cu_q.device, dtype=torch.int64)
     k_start, k_end, q_end = ck[doc], ck[doc + 1], cq[doc + 1]
     diag = t - q_end + k_end
@@ -164,7 +168,7 @@ def row_bounds(
     hi = k_end - 1 if right < 0 else torch.minimum(k_end - 1, diag + right)
     lo_q, hi_q = finish(lo, hi, inside)
 
-    doc, inside = _doc_of(cu_k, t_k)
+    doc, inside = _doc_of(ck, t_k)
     s = torch.arange(t_k, device=cu_k.device, dtype=torch.int64)
     q_start, q_end, k_end = cq[doc], cq[doc + 1], ck[doc + 1]
     base = s - k_end + q_end
@@ -185,25 +189,17 @@ def heaviest_first(lo: torch.Tensor, hi: torch.Tensor, tile: int) -> torch.Tenso
     return torch.argsort(span, descending=True, stable=True).to(torch.int32)
 
 
-# Plans keyed on the cu_seqlens tensor objects (all layers of a forward and the backward share them).
-_CACHE: OrderedDict[tuple, tuple] = OrderedDict()
-_CACHE_SIZE = 16
+# Plans keyed on the cu_seqlens tensor objects (all layers of a forward and the backward share them;
+# a model with sliding and full layers needs two per batch).
+_PLANS = TensorCache(size=16)
 
 
 def get_plan(
     cu_q: torch.Tensor, cu_k: torch.Tensor, t_q: int, t_k: int, left: int, right: int
 ) -> Plan:
     """Bounds (and, lazily, tile orders) for this batch, built on the device once and cached."""
-    key = (id(cu_q), id(cu_k), cu_q._version, cu_k._version, t_q, t_k, left, right)
-    hit = _CACHE.get(key)
-    if hit is not None and hit[0]() is cu_q and hit[1]() is cu_k:
-        _CACHE.move_to_end(key)
-        return hit[2]
-    plan = Plan(*row_bounds(cu_q, cu_k, t_q, t_k, left, right))
-    try:
-        _CACHE[key] = (weakref.ref(cu_q), weakref.ref(cu_k), plan)
-    except TypeError:  # tensors that cannot be weakly referenced (e.g. under tracing): no caching
-        return plan
-    while len(_CACHE) > _CACHE_SIZE:
-        _CACHE.popitem(last=False)
-    return plan
+    return _PLANS.get_or_compute(
+        (cu_q, cu_k),
+        lambda: Plan(*row_bounds(cu_q, cu_k, t_q, t_k, left, right)),
+        extra=(t_q, t_k, left, right),
+    )

@@ -8,6 +8,9 @@ package), and everything above ``ops/`` may import from it; so each helper is de
     $FLASH_ATTENTION_DETERMINISTIC, or ``torch.use_deterministic_algorithms(True)``).
 ``check_int(name, value, minimum)``: an int argument check that names the argument.
 ``IGNORE_INDEX``: the label value the loss skips (-100, as in transformers and torch).
+``causal_window(causal, window_size)``: the FA (left, right) window with causality folded in.
+``check_offsets(name, offsets, total, max_len)``: the full cu_seqlens check on a host list.
+``clamp_offsets(cu, total)``: cu_seqlens made memory-safe on the device (no sync).
 ``TensorCache``: a small cache keyed on tensor identity + version (values derived once per batch).
 """
 
@@ -54,6 +57,51 @@ def check_int(name: str, value: Any, minimum: int | None = 1, *, allow_none: boo
     return int(value)
 
 
+def causal_window(causal: bool, window_size) -> tuple[int, int]:
+    """FA-2 (left, right) window with causality folded in: causal means right = 0.
+
+    -1 = unbounded on that side, so (-1, -1) is full attention and (-1, 0) is plain causal. Under
+    causal masking every key right of the diagonal is hidden, whatever ``right`` says.
+    """
+    left, right = (int(w) for w in window_size)
+    return (left, 0) if causal else (left, right)
+
+
+def check_offsets(name: str, offsets: list[int], total: int, max_len: int | None = None) -> None:
+    """Raise ValueError naming ``name`` unless the host list ``offsets`` (cu_seqlens) starts at 0,
+    never decreases, ends at ``total`` and (if given) has no document longer than ``max_len``."""
+    if not offsets:
+        raise ValueError(f"{name} is empty; it needs n_docs + 1 >= 1 offsets starting at 0")
+    if offsets[0] != 0:
+        raise ValueError(f"{name}[0] must be 0, got {offsets[0]}")
+    lengths = [b - a for a, b in zip(offsets[:-1], offsets[1:])]
+    bad = next((i for i, n in enumerate(lengths) if n < 0), None)
+    if bad is not None:
+        raise ValueError(
+            f"{name} must be non-decreasing; entry {bad + 1} ({offsets[bad + 1]}) < entry {bad} "
+            f"({offsets[bad]})"
+        )
+    if offsets[-1] != total:
+        raise ValueError(
+            f"{name}[-1] must equal the number of packed tokens {total}, got {offsets[-1]}: the "
+            f"documents must cover every token exactly once"
+        )
+    longest = max(lengths, default=0)
+    if max_len is not None and longest > max_len:
+        raise ValueError(
+            f"max_seqlen for {name} is {max_len} but the longest document has {longest} tokens"
+        )
+
+
+def clamp_offsets(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """Offsets clamped into [0, total] and made non-decreasing, on the device (no host sync).
+
+    Valid offsets come back unchanged (as int64); malformed ones (negative, past ``total``,
+    decreasing) become valid ones, so a kernel that trusts them stays inside the packed tensors.
+    """
+    return torch.cummax(cu_seqlens.to(torch.int64).clamp(0, total), dim=0).values
+
+
 class TensorCache:
     """A few values derived from tensors, keyed on the tensors' identity and version counter.
 
@@ -61,7 +109,9 @@ class TensorCache:
     (cu_seqlens, position_ids, the padding mask), so a value derived from them is computed once per
     batch, not once per layer. Contents are never hashed; an in-place edit of a key tensor bumps its
     version and misses. ``size`` entries are kept, least recently used dropped first. Under
-    ``torch.compile`` tracing nothing is cached (identity means nothing to a traced graph).
+    ``torch.compile`` tracing nothing is cached (identity means nothing to a traced graph), nor for
+    inference-mode tensors (they have no version counter, so an in-place edit could not be seen).
+    ``tensors`` may be empty: the key is then ``extra`` alone (a value derived from ints).
 
         cache = TensorCache(size=4)
         value = cache.get_or_compute((cu_q, cu_k), lambda: build(cu_q, cu_k), extra=(left, right))
@@ -74,14 +124,16 @@ class TensorCache:
         self._entries: OrderedDict[tuple, tuple[list, Any]] = OrderedDict()
 
     @staticmethod
-    def _key(tensors: tuple[torch.Tensor, ...], extra: Hashable) -> tuple:
+    def _key(tensors: tuple[torch.Tensor, ...], extra: Hashable) -> tuple | None:
+        if any(t.is_inference() for t in tensors):
+            return None
         return (tuple((id(t), t._version) for t in tensors), extra)
 
     def get(self, tensors: torch.Tensor | tuple[torch.Tensor, ...], extra: Hashable = None):
         """The cached value for these tensors (and ``extra``), or None."""
         tensors = tensors if isinstance(tensors, tuple) else (tensors,)
         key = self._key(tensors, extra)
-        hit = self._entries.get(key)
+        hit = None if key is None else self._entries.get(key)
         if hit is None:
             return None
         refs, value = hit
@@ -95,12 +147,15 @@ class TensorCache:
         """Store ``value`` for these tensors and return it (not stored if they cannot be weakly
         referenced, e.g. under tracing)."""
         tensors = tensors if isinstance(tensors, tuple) else (tensors,)
+        key = self._key(tensors, extra)
         try:
             refs = [weakref.ref(t) for t in tensors]
         except TypeError:
             return value
-        self._entries[self._key(tensors, extra)] = (refs, value)
-        self._entries.move_to_end(self._key(tensors, extra))
+        if key is None:
+            return value
+        self._entries[key] = (refs, value)
+        self._entries.move_to_end(key)
         while len(self._entries) > self.size:
             self._entries.popitem(last=False)
         return value

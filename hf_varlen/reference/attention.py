@@ -8,10 +8,12 @@ rows cu[i]:cu[i+1]. Output (T_q, H_q, D_v). Semantics are FlashAttention-2's:
     query i of a document of lengths (L_q, L_k) may see key j when, with shift = L_k - L_q
     (bottom-right alignment), j <= i + shift (causal) and, for a window (left, right),
     i + shift - left <= j <= i + shift + right (-1 = unbounded on that side)
-    o_i = sum_j softmax(s)_ij v_j                 (softmax in fp32, as HF eager does)
+    o_i = sum_j softmax(s)_ij v_j                 (softmax in at least fp32, as HF eager does)
 
 Queries that see no key produce zeros. The computation runs per document in the input dtype (the
-"low precision reference"); pass fp32/fp64 inputs for the high-precision one.
+"low precision reference"; fp16/bf16 softmax in fp32); pass fp32/fp64 inputs for the
+high-precision one (fp64 in, fp64 math throughout). Offsets are checked (they are on the host):
+malformed cu_seqlens raise ValueError.
 """
 
 from __future__ import annotations
@@ -19,14 +21,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..ops.common import causal_window, check_offsets
+
 
 def visibility_mask(
     len_q: int, len_k: int, *, causal: bool, window_size: tuple[int, int], device=None
 ) -> torch.Tensor:
     """(len_q, len_k) bool: True where query i may attend to key j (FA-2 rules, see module doc)."""
-    left, right = window_size
-    if causal:
-        right = 0 if right < 0 else min(right, 0)
+    left, right = causal_window(causal, window_size)
     i = torch.arange(len_q, device=device)[:, None] + (len_k - len_q)
     j = torch.arange(len_k, device=device)[None, :]
     mask = torch.ones(len_q, len_k, dtype=torch.bool, device=device)
@@ -56,6 +58,14 @@ def attention_reference(
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     bounds_q = cu_seqlens_q.tolist()
     bounds_k = cu_seqlens_k.tolist()
+    check_offsets("cu_seqlens_q", bounds_q, q.shape[0])
+    check_offsets("cu_seqlens_k", bounds_k, k.shape[0])
+    if len(bounds_q) != len(bounds_k):
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must describe the same number of documents, got "
+            f"{len(bounds_q) - 1} and {len(bounds_k) - 1}"
+        )
+    softmax_dtype = torch.promote_types(q.dtype, torch.float32)
     out = q.new_zeros(q.shape[0], h_q, v.shape[-1])
     pieces = []
     for (q0, q1), (k0, k1) in zip(
@@ -76,7 +86,7 @@ def attention_reference(
             q1 - q0, k1 - k0, causal=causal, window_size=window_size, device=q.device
         )
         s = s.masked_fill(~mask, float("-inf"))
-        p = torch.softmax(s, dim=-1, dtype=torch.float32)
+        p = torch.softmax(s, dim=-1, dtype=softmax_dtype)
         p = torch.nan_to_num(p, nan=0.0)  # rows that see no key -> zeros, like FA
         p = p.to(q.dtype)
         if dropout_p > 0:

@@ -1,0 +1,80 @@
+"""What one attention call is: where the documents are (``VarlenMetadata``) and how to attend
+(``AttentionParams``). Both are frozen; the public layer builds and validates them once per call
+and hands them to the backend, so a backend never re-reads user keywords.
+
+    VarlenMetadata: cu_seqlens_q/k (n_docs + 1,) int32 offsets, max_seqlen_q/k Python ints,
+        indices_q/k (T_real,) int64 or None (only the transformers padding-mask path sets them).
+    AttentionParams: window (left, right) with causality folded in (FA-2 semantics, -1 = unbounded,
+        (-1, 0) = causal, (-1, -1) = full), softmax_scale (resolved float), softcap (0 = off),
+        dropout_p, deterministic (already resolved against the environment).
+
+This module sits below the backends and imports nothing from the public layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..ops.common import causal_window
+
+
+@dataclass(frozen=True)
+class VarlenMetadata:
+    """Packed-layout description of a batch.
+
+    cu_seqlens_q/k: (n + 1,) int32 offsets into the packed token axis.
+    max_seqlen_q/k: Python ints (an upper bound on the longest document).
+    indices_q/k: (T_q_real,) / (T_k_real,) int64 positions of the real tokens in the flattened (B*T)
+        axis, or None when every token is real (no unpadding needed).
+    """
+
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+    indices_q: torch.Tensor | None = None
+    indices_k: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class AttentionParams:
+    """How to attend; see the module docstring. Build with ``AttentionParams.create``."""
+
+    window: tuple[int, int]
+    softmax_scale: float
+    softcap: float = 0.0
+    dropout_p: float = 0.0
+    deterministic: bool = False
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        head_dim: int,
+        causal: bool,
+        window_size: tuple[int, int] = (-1, -1),
+        softmax_scale: float | None = None,
+        softcap: float = 0.0,
+        dropout_p: float = 0.0,
+        deterministic: bool = False,
+    ) -> AttentionParams:
+        """From already validated FA-2 style keywords (the one place causality is folded in)."""
+        return cls(
+            window=causal_window(causal, window_size),
+            softmax_scale=head_dim**-0.5 if softmax_scale is None else float(softmax_scale),
+            softcap=float(softcap),
+            dropout_p=float(dropout_p),
+            deterministic=bool(deterministic),
+        )
+
+    @property
+    def causal(self) -> bool:
+        """Bottom-right causal: no key right of the diagonal (a window with right == 0)."""
+        return self.window[1] == 0
+
+    @property
+    def sliding_window(self) -> bool:
+        """A bounded window beyond plain causal / full attention."""
+        return self.window not in ((-1, 0), (-1, -1))
