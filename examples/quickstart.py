@@ -44,7 +44,6 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     torch.manual_seed(0)
-    hf_varlen.set_backend(args.backend)
     vocab = 256
     config = LlamaConfig(
         vocab_size=vocab,
@@ -59,6 +58,7 @@ def main() -> None:
     model = AutoModelForCausalLM.from_config(config, attn_implementation="varlen_packed").to(
         device, dtype
     )
+    hf_varlen.set_backend(args.backend, model=model)  # this model only; the process default stays
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
 
     docs = make_documents(2000, vocab)

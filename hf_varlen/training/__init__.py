@@ -16,8 +16,19 @@ JSONL, summary, MFU, plots).
 
 from __future__ import annotations
 
+import importlib
+from typing import Any
+
 from .config import TrainConfig, parse_args
-from .loop import PackedTrainer, run
-from .metrics import plot_runs
 
 __all__ = ["PackedTrainer", "TrainConfig", "parse_args", "plot_runs", "run"]
+
+# The loop pulls in torch, accelerate and transformers: loaded on first use, so that parsing the
+# command line (``hf-varlen train --help``) stays quick.
+_LAZY = {"PackedTrainer": "loop", "run": "loop", "plot_runs": "metrics"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,14 +1,23 @@
-"""Checkpoints: save and exactly resume a run; export the final model.
+"""Checkpoints: save atomically, validate, exactly resume a run; export the final model.
 
 A checkpoint ``<output_dir>/checkpoint-<step>/`` is ``accelerator.save_state``'s folder (model
 weights as ``model.safetensors``, optimizer, RNG states of every process, the LR scheduler and
-``RunState`` as registered objects) plus a human-readable ``trainer_state.json``. ``RunState`` holds
-the data position (epoch, micro-batches consumed in it): the sampler's order is a pure function of
-``(seed, epoch)``, so skipping that many index lists puts every rank exactly where it stopped, and
-the restored weights, optimizer moments, scheduler and RNG make the continuation bit-identical.
+``RunState`` as registered objects) plus ``trainer_state.json`` (the run state and a manifest: the
+size of every file). ``RunState`` holds the data position (epoch, micro-batches consumed in it):
+the sampler's order is a pure function of ``(seed, epoch)``, so skipping that many index lists puts
+every rank exactly where it stopped, and the restored weights, optimizer moments, scheduler and RNG
+make the continuation bit-identical.
 
-Resuming needs the options that shape the data order to match; ``RunState.fingerprint`` records
-them and a mismatch is an error rather than a silently different run.
+Atomic saves. Everything is written into ``.tmp-checkpoint-<step>/``, fsynced, and renamed to
+``checkpoint-<step>`` only when complete, so a kill or a full disk never leaves a folder with the
+checkpoint name that is not complete. The final model goes the same way (``.tmp-final`` ->
+``final``). A failed save is an error (``CheckpointError``), never a log line.
+
+Resume. ``--resume latest`` takes the newest *complete* checkpoint (incomplete ones are skipped
+with a warning naming them); an explicit folder is validated up front and the missing or damaged
+file is named. Missing random states are an error unless ``--resume-without-rng``. Options that
+shape the data order must match (``RunState.fingerprint``); a mismatch is an error rather than a
+silently different run.
 """
 
 from __future__ import annotations
@@ -17,12 +26,30 @@ import json
 import logging
 import os
 import re
+import shutil
+import struct
+import zipfile
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 logger = logging.getLogger("hf_varlen.training")
 
 _CKPT = re.compile(r"^checkpoint-(\d+)$")
+TMP_PREFIX = ".tmp-"
+STATE_FILE = "trainer_state.json"
+# What a run leaves in --output-dir (besides checkpoints): a new run there would mix with these.
+RUN_FILES = (
+    "metrics.jsonl",
+    "summary.json",
+    "loss_vs_step.png",
+    "loss_vs_time.png",
+    "tokens_per_s.png",
+)
+_ZIP_CHECK_MAX_BYTES = 64 * 2**20  # CRC-check small torch.save archives; open big ones only
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint or the final model could not be written, or cannot be resumed from."""
 
 
 @dataclass
@@ -34,6 +61,7 @@ class RunState:
     micro: int = 0  # micro-batches of ``epoch`` already consumed (per rank; equal on all ranks)
     tokens: int = 0  # real tokens trained on, all ranks
     elapsed: float = 0.0  # training wall-clock seconds before this process started
+    skipped: int = 0  # optimizer steps skipped as non-finite (--on-nonfinite skip)
     fingerprint: dict[str, Any] = field(default_factory=dict)
 
     def state_dict(self) -> dict[str, Any]:
@@ -53,54 +81,321 @@ class RunState:
                 setattr(self, key, value)
 
 
-def find_latest(output_dir: str) -> str | None:
-    """The newest ``checkpoint-<step>`` folder under ``output_dir`` (None when there is none)."""
+# --------------------------------------------------------------------------------------------- #
+# Validation
+
+
+@dataclass
+class Problems:
+    """What is wrong with one checkpoint folder: ``broken`` (missing or damaged files) and
+    ``rng`` (missing random-state files, resumable with --resume-without-rng)."""
+
+    broken: list[str] = field(default_factory=list)
+    rng: list[str] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.broken or self.rng)
+
+    def text(self) -> str:
+        return "; ".join(self.broken + [f"{f} is missing" for f in self.rng])
+
+
+def _damaged(path: str) -> str | None:
+    """A cheap structural check of one file (no full read of large files): why it is damaged."""
+    name = os.path.basename(path)
+    try:
+        if name.endswith(".safetensors"):
+            with open(path, "rb") as fh:
+                head = fh.read(8)
+                if len(head) < 8:
+                    return "shorter than a safetensors header"
+                (n,) = struct.unpack("<Q", head)
+                header = json.loads(fh.read(n))
+            tensors = [v for k, v in header.items() if k != "__metadata__"]
+            end = max((v["data_offsets"][1] for v in tensors), default=0)
+            if os.path.getsize(path) < 8 + n + end:
+                return "truncated (tensor data ends past the end of the file)"
+        elif name.endswith((".bin", ".pkl", ".pt")):  # torch.save archives are zip files
+            with zipfile.ZipFile(path) as zf:
+                if os.path.getsize(path) <= _ZIP_CHECK_MAX_BYTES and zf.testzip() is not None:
+                    return "fails its checksum"
+        elif name.endswith(".json"):
+            with open(path, encoding="utf-8") as fh:
+                json.load(fh)
+    except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile, struct.error) as exc:
+        return f"unreadable ({type(exc).__name__}: {exc})"
+    return None
+
+
+def _manifest(root: str) -> dict[str, int]:
+    """Relative path -> size of every file under ``root`` except the state file."""
+    out = {}
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            full = os.path.join(dirpath, f)
+            rel = os.path.relpath(full, root)
+            if rel != STATE_FILE:
+                out[rel] = os.path.getsize(full)
+    return dict(sorted(out.items()))
+
+
+def check_checkpoint(path: str, processes: int) -> Problems:
+    """Everything wrong with the checkpoint folder ``path`` for a run of ``processes`` ranks."""
+    p = Problems()
+    state_path = os.path.join(path, STATE_FILE)
+    if not os.path.isdir(path):
+        p.broken.append("not a folder")
+        return p
+    if not os.path.exists(state_path):
+        p.broken.append(
+            f"{STATE_FILE} is missing (a save that did not finish, or not a hf-varlen checkpoint)"
+        )
+        return p
+    try:
+        with open(state_path, encoding="utf-8") as fh:
+            state = json.load(fh)
+    except (OSError, ValueError) as exc:
+        p.broken.append(f"{STATE_FILE} is damaged ({exc})")
+        return p
+    files = state.get("files")
+    if files is None:  # written before manifests existed: the files accelerate always writes
+        files = {f"custom_checkpoint_{i}.pkl": None for i in range(2)}  # scheduler, RunState
+        for options in (
+            ("model.safetensors", "pytorch_model.bin", "pytorch_model_fsdp_0"),
+            ("optimizer.bin", "optimizer_0"),
+        ):
+            present = [x for x in options if os.path.exists(os.path.join(path, x))]
+            files[present[0] if present else options[0]] = None
+    rng = {f"random_states_{i}.pkl" for i in range(processes)}
+    for rel, size in files.items():
+        full = os.path.join(path, rel)
+        if not os.path.exists(full):
+            if rel not in rng:
+                p.broken.append(f"{rel} is missing")
+        elif size is not None and os.path.getsize(full) != size:
+            got = os.path.getsize(full)
+            p.broken.append(f"{rel} is damaged (size {got} bytes, the save wrote {size})")
+        elif why := _damaged(full):
+            p.broken.append(f"{rel} is damaged: {why}")
+    p.rng = sorted(f for f in rng if not os.path.exists(os.path.join(path, f)))
+    return p
+
+
+def checkpoints(output_dir: str) -> list[str]:
+    """``checkpoint-<step>`` folders under ``output_dir``, newest first."""
     if not os.path.isdir(output_dir):
-        return None
+        return []
     steps = [
         (int(m.group(1)), name)
         for name in os.listdir(output_dir)
         if (m := _CKPT.match(name)) and os.path.isdir(os.path.join(output_dir, name))
     ]
-    return os.path.join(output_dir, max(steps)[1]) if steps else None
+    return [os.path.join(output_dir, name) for _, name in sorted(steps, reverse=True)]
 
 
-def resolve_resume(resume: str | None, output_dir: str) -> str | None:
+def unfinished_saves(output_dir: str) -> list[str]:
+    """Temporary folders of saves that never finished (killed or failed)."""
+    if not os.path.isdir(output_dir):
+        return []
+    return sorted(
+        os.path.join(output_dir, n) for n in os.listdir(output_dir) if n.startswith(TMP_PREFIX)
+    )
+
+
+def run_artifacts(output_dir: str) -> list[str]:
+    """What of a previous run ``output_dir`` holds (names relative to it)."""
+    if not os.path.isdir(output_dir):
+        return []
+    found = [f for f in RUN_FILES if os.path.isfile(os.path.join(output_dir, f))]
+    if os.path.isdir(os.path.join(output_dir, "final")):
+        found.append("final/")
+    found += [os.path.basename(c) + "/" for c in checkpoints(output_dir)]
+    found += [os.path.basename(c) + "/" for c in unfinished_saves(output_dir)]
+    return found
+
+
+def remove_run(output_dir: str) -> list[str]:
+    """Delete what a previous run left in ``output_dir`` (its checkpoints too); other files stay."""
+    removed = run_artifacts(output_dir)
+    for name in removed:
+        path = os.path.join(output_dir, name.rstrip("/"))
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
+    return removed
+
+
+def _rng_hint(path: str, missing: list[str]) -> str:
+    return (
+        f"--resume {path!r}: {', '.join(missing)} is missing (the random states of that process), "
+        "so the continuation would not be bit-identical. Pass --resume-without-rng to resume with "
+        "fresh random states, or resume from another checkpoint"
+    )
+
+
+def resolve_resume(
+    resume: str | None, output_dir: str, *, processes: int, without_rng: bool = False
+) -> str | None:
+    """The checkpoint folder to resume from (validated), or None to start fresh.
+
+    Raises ``CheckpointError`` naming the missing or damaged file of an explicit folder, or when
+    ``latest`` finds only incomplete checkpoints in a directory that holds a run.
+    """
     if resume is None:
         return None
-    if resume == "latest":
-        path = find_latest(output_dir)
-        if path is None:
-            logger.warning("--resume latest: no checkpoint under %s; starting fresh", output_dir)
-        return path
-    if not os.path.exists(os.path.join(resume, "trainer_state.json")):
-        raise ValueError(
-            f"--resume {resume!r}: not a hf-varlen checkpoint (no trainer_state.json); pass a "
-            "checkpoint-<step> folder or 'latest'"
+    if resume != "latest":
+        problems = check_checkpoint(resume, processes)
+        if problems.broken:
+            raise CheckpointError(
+                f"--resume {resume!r}: not a complete checkpoint: {problems.text()}. Pass another "
+                "checkpoint-<step> folder, or 'latest' for the newest complete one"
+            )
+        if problems.rng:
+            if not without_rng:
+                raise CheckpointError(_rng_hint(resume, problems.rng))
+            logger.warning(
+                "--resume-without-rng: %s lacks %s; resuming with fresh random states",
+                resume,
+                ", ".join(problems.rng),
+            )
+        return resume
+    for tmp in unfinished_saves(output_dir):
+        logger.warning("--resume latest: ignoring %s, a save that did not finish", tmp)
+    for path in checkpoints(output_dir):
+        problems = check_checkpoint(path, processes)
+        if problems.broken:
+            logger.warning(
+                "--resume latest: skipping incomplete checkpoint %s: %s", path, problems.text()
+            )
+            continue
+        return resolve_resume(path, output_dir, processes=processes, without_rng=without_rng)
+    if run_artifacts(output_dir):
+        raise CheckpointError(
+            f"--resume latest: no complete checkpoint under {output_dir!r}, which holds a run "
+            f"({', '.join(run_artifacts(output_dir)[:6])}). Pass --overwrite-output-dir to start "
+            "over there (the old run is deleted), or choose another --output-dir"
         )
-    return resume
+    logger.warning("--resume latest: no checkpoint under %s; starting fresh", output_dir)
+    return None
+
+
+# --------------------------------------------------------------------------------------------- #
+# Saving
+
+
+def _fsync_tree(root: str) -> None:
+    """Flush every file and folder under ``root`` (and ``root``) to disk."""
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            with open(os.path.join(dirpath, f), "rb") as fh:
+                os.fsync(fh.fileno())
+        _fsync_dir(dirpath)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _publish(tmp: str, final: str) -> None:
+    """fsync ``tmp`` and rename it to ``final`` (replacing an existing folder of that name)."""
+    _fsync_tree(tmp)
+    parent = os.path.dirname(os.path.abspath(final))
+    if os.path.lexists(final) and not os.path.isdir(final):
+        raise CheckpointError(f"{final} exists and is not a folder; remove it or move it away")
+    if os.path.isdir(final):  # the same step saved again: swap, then delete the old copy
+        old = os.path.join(parent, TMP_PREFIX + "old-" + os.path.basename(final))
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, final)
+    _fsync_dir(parent)
+
+
+def _on_main(accelerator, what: str, fn) -> None:
+    """Run ``fn`` on the main process; every process raises ``CheckpointError`` if it failed
+    (so no rank waits forever in a collective when the main process could not write)."""
+    error = None
+    if accelerator.is_main_process:
+        try:
+            fn()
+        except CheckpointError as exc:
+            error = str(exc)
+        except OSError as exc:
+            error = f"{what} failed: {exc}"
+    if accelerator.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        error = broadcast_object_list([error])[0]
+    if error is not None:
+        raise CheckpointError(error)
 
 
 def save_checkpoint(accelerator, output_dir: str, state: RunState) -> str:
-    """Collective: every process must call it."""
-    path = os.path.join(output_dir, f"checkpoint-{state.step}")
-    accelerator.save_state(path, safe_serialization=True)
-    if accelerator.is_main_process:
-        with open(os.path.join(path, "trainer_state.json"), "w", encoding="utf-8") as fh:
-            json.dump(state.state_dict(), fh, indent=2)
+    """Write ``checkpoint-<step>`` atomically. Collective: every process must call it."""
+    name = f"checkpoint-{state.step}"
+    final = os.path.join(output_dir, name)
+    tmp = os.path.join(output_dir, TMP_PREFIX + name)
+    what = f"saving {final}"
+
+    def clear():
+        os.makedirs(output_dir, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    _on_main(accelerator, what, clear)
     accelerator.wait_for_everyone()
-    return path
+    try:
+        accelerator.save_state(tmp, safe_serialization=True)
+    except (OSError, RuntimeError) as exc:
+        raise CheckpointError(
+            f"{what} failed: {exc}. Nothing was renamed: the previous checkpoints are intact and "
+            f"the partial save stays in {tmp} (ignored by --resume latest)"
+        ) from exc
+    accelerator.wait_for_everyone()
+
+    def finish():
+        record = {**state.state_dict(), "files": _manifest(tmp)}
+        with open(os.path.join(tmp, STATE_FILE), "w", encoding="utf-8") as fh:
+            json.dump(record, fh, indent=2)
+        _publish(tmp, final)
+
+    _on_main(accelerator, what, finish)
+    return final
 
 
 def export_model(accelerator, model, tokenizer, path: str) -> None:
     """Final weights (safetensors) + config + tokenizer, loadable with ``from_pretrained``.
 
-    Collective (FSDP gathers the full state dict); only the main process writes. A peft model
-    saves its adapter.
+    Collective (FSDP gathers the full state dict); only the main process writes, into a temporary
+    folder renamed to ``path`` when complete. A peft model saves its adapter. transformers'
+    ``save_pretrained`` logs instead of raising in some failures, so the weights are checked.
     """
     state_dict = accelerator.get_state_dict(model)
-    if accelerator.is_main_process:
+    tmp = os.path.join(os.path.dirname(os.path.abspath(path)), TMP_PREFIX + os.path.basename(path))
+
+    def write():
+        if os.path.lexists(path) and not os.path.isdir(path):
+            raise CheckpointError(
+                f"cannot save the final model to {path}: it exists and is not a folder; remove it "
+                "or choose another --output-dir"
+            )
+        shutil.rmtree(tmp, ignore_errors=True)
         unwrapped = accelerator.unwrap_model(model)
-        unwrapped.save_pretrained(path, state_dict=state_dict, safe_serialization=True)
-        tokenizer.save_pretrained(path)
-    accelerator.wait_for_everyone()
+        unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        names = set(os.listdir(tmp)) if os.path.isdir(tmp) else set()
+        weights = {"model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors"}
+        if not names & weights:
+            raise CheckpointError(
+                f"saving the final model to {path} failed: save_pretrained wrote no weights "
+                f"(found {sorted(names)}); see the transformers log lines above"
+            )
+        _publish(tmp, path)
+
+    _on_main(accelerator, f"saving the final model to {path}", write)

@@ -18,13 +18,12 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..ops.common import check_int
-
 FORMATS = ("auto", "alpaca", "chat", "text")
 PRECISIONS = ("auto", "fp32", "bf16", "bf16-mixed")
 SCHEDULES = ("cosine", "linear", "constant", "constant_with_warmup")
 OPTIMIZERS = ("adamw", "sgd")
 TOGGLES = ("auto", "on", "off")
+NONFINITE = ("stop", "skip")
 DEFAULT_TOKENS_PER_BATCH = 4096
 
 
@@ -71,6 +70,11 @@ class TrainConfig:
     messages_field: str = _opt("messages", "field holding the messages for --format chat")
     completion_only: bool = _opt(
         True, "instruction formats: loss on the response tokens only (prompt labels = -100)"
+    )
+    skip_bad_records: bool = _opt(
+        False,
+        "skip records that are not valid JSON or lack a needed field or have a null / non-string "
+        "one (counted in the summary) instead of stopping at the first",
     )
     max_examples: int | None = _opt(None, "use only the first N examples of the dataset")
     builtin_examples: int = _opt(2000, "number of examples the built-in dataset generates")
@@ -132,6 +136,12 @@ class TrainConfig:
     warmup_steps: int | None = _opt(None, "warm-up steps; default: 5%% of the run")
     weight_decay: float = _opt(0.0, "AdamW weight decay")
     max_grad_norm: float = _opt(1.0, "clip the gradient norm to this (0: no clipping)")
+    on_nonfinite: str = _opt(
+        "stop",
+        "a step whose loss or gradient norm is NaN/inf: stop the run with an error, or skip its "
+        "optimizer update (counted in the summary)",
+        choices=NONFINITE,
+    )
     max_steps: int | None = _opt(None, "optimizer steps (overrides --epochs)")
     epochs: float = _opt(1.0, "passes over the training data")
     seed: int = _opt(0, "seed for initialisation, shuffling and packing")
@@ -143,8 +153,20 @@ class TrainConfig:
     output_dir: str = _opt("runs/hf-varlen", "where logs, checkpoints and plots go")
     save_every: int = _opt(0, "save a resumable checkpoint every N steps (0: never)")
     save_final: bool = _opt(True, "save the final model (safetensors) and tokenizer")
+    overwrite_output_dir: bool = _opt(
+        False,
+        "start a new run in an --output-dir that holds one, deleting the old run (metrics, "
+        "summary, final model, checkpoints); without it (or --resume) such a start is refused",
+    )
     resume: str | None = _opt(
-        None, "checkpoint directory to resume from, or 'latest' (newest under --output-dir)"
+        None,
+        "checkpoint folder to resume from, or 'latest' (the newest complete checkpoint under "
+        "--output-dir; starts fresh when there is none and the folder holds no run)",
+    )
+    resume_without_rng: bool = _opt(
+        False,
+        "resume from a checkpoint that lacks a process's random states (fresh random states; "
+        "the continuation is then not bit-identical)",
     )
     log_every: int = _opt(1, "write a metrics line every N steps")
     plot: bool = _opt(False, "write loss / throughput PNGs (needs matplotlib)")
@@ -158,6 +180,8 @@ class TrainConfig:
     def validate(self) -> None:
         """Checks that need nothing but the options. Raises ValueError/TypeError/ImportError with
         a hint."""
+        from ..ops.common import check_int  # here, not at the top: --help must not load torch
+
         check_int("--max-length", self.max_length, None)
         if self.max_length < 2:
             raise ValueError(
@@ -201,6 +225,7 @@ class TrainConfig:
             ("optim", OPTIMIZERS),
             ("fused_kernels", TOGGLES),
             ("fused_loss", TOGGLES),
+            ("on_nonfinite", NONFINITE),
         ):
             if getattr(self, name) not in choices:
                 raise ValueError(
@@ -215,6 +240,11 @@ class TrainConfig:
             raise ImportError(
                 "--plot needs `matplotlib`, which is not installed; "
                 "`pip install 'hf_varlen[plot]'` or drop --plot"
+            )
+        if self.overwrite_output_dir and self.resume == "latest":
+            raise ValueError(
+                "--overwrite-output-dir deletes the checkpoints that --resume latest would "
+                "continue from; pass one of them"
             )
         if self.resume not in (None, "latest") and not os.path.isdir(self.resume):
             raise ValueError(
@@ -264,7 +294,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
             continue
         base = {"int": int, "float": float}.get(hint.split(" ")[0], str)
         kwargs["type"] = _parse_optional(base) if "None" in hint else base
-        parser.add_argument(flag, help=f"{help_text} (default: %(default)s)", **kwargs)
+        if f.default is not None and "default" not in help_text:
+            help_text += " (default: %(default)s)"
+        parser.add_argument(flag, help=help_text, **kwargs)
     return parser
 
 

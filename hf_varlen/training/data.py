@@ -48,23 +48,48 @@ _ALPACA_FIELDS = (("instruction", "output"), ("prompt", "completion"))
 # Loading
 
 
-def load_records(source: str, cfg: TrainConfig) -> list[dict[str, Any]]:
+class Records(list):
+    """Loaded records plus where each came from (``origins[i]``, e.g. "data.jsonl line 12", for
+    error messages) and how many bad ones ``--skip-bad-records`` dropped (``skipped``)."""
+
+    def __init__(self, items=(), origins=None, skipped: int = 0):
+        super().__init__(items)
+        self.origins = list(origins) if origins is not None else [None] * len(self)
+        self.skipped = skipped
+
+    def where(self, i: int) -> str:
+        return f"record {i}" + (f" ({self.origins[i]})" if self.origins[i] else "")
+
+    def head(self, n: int) -> Records:
+        return Records(self[:n], self.origins[:n], self.skipped)
+
+    def keep(self, indices: Sequence[int]) -> None:
+        """Keep only ``indices`` (in place); the rest count as skipped."""
+        indices = list(indices)
+        self.skipped += len(self) - len(indices)
+        self.origins = [self.origins[i] for i in indices]
+        self[:] = [self[i] for i in indices]
+
+
+def load_records(source: str, cfg: TrainConfig) -> Records:
     """``source``: 'builtin', a local .json/.jsonl/.parquet file (or a directory of them), or a
-    hub dataset id. Returns a list of dict records (at most ``cfg.max_examples``)."""
+    hub dataset id. Returns the records (at most ``cfg.max_examples``). A line of a JSON-lines file
+    that is not valid JSON is an error naming the file and line (skipped and counted with
+    ``cfg.skip_bad_records``)."""
     if source == "builtin":
-        records = builtin_records(cfg.builtin_examples, cfg.seed)
+        records = Records(builtin_records(cfg.builtin_examples, cfg.seed))
     elif os.path.exists(source):
-        records = _load_local(source)
+        records = _load_local(source, cfg.skip_bad_records)
     else:
-        records = _load_hub(source, cfg)
+        records = Records(_load_hub(source, cfg))
     if not records:
         raise ValueError(f"--dataset {source!r}: no records found")
     if cfg.max_examples is not None:
-        records = records[: cfg.max_examples]
+        records = records.head(cfg.max_examples)
     return records
 
 
-def _load_local(path: str) -> list[dict[str, Any]]:
+def _load_local(path: str, skip_bad: bool = False) -> Records:
     if os.path.isdir(path):
         files = sorted(
             os.path.join(path, f)
@@ -73,30 +98,62 @@ def _load_local(path: str) -> list[dict[str, Any]]:
         )
         if not files:
             raise ValueError(f"--dataset {path!r}: directory holds no .json/.jsonl/.parquet file")
-        return [r for f in files for r in _load_local(f)]
+        parts = [_load_local(f, skip_bad) for f in files]
+        return Records(
+            [r for p in parts for r in p],
+            [o for p in parts for o in p.origins],
+            sum(p.skipped for p in parts),
+        )
+    name = os.path.basename(path)
     if path.endswith(".parquet"):
         import pyarrow.parquet as pq
 
-        return pq.read_table(path).to_pylist()
+        rows = pq.read_table(path).to_pylist()
+        return Records(rows, [f"{name} row {i}" for i in range(len(rows))])
     with open(path, encoding="utf-8") as fh:
         text = fh.read()
+    lines = text.splitlines()
     if not path.endswith(".jsonl"):
         try:
             data = json.loads(text)
-        except json.JSONDecodeError:
-            data = None  # maybe JSON lines with a .json name
+        except json.JSONDecodeError as exc:
+            if not _is_json_object(next((ln for ln in lines if ln.strip()), "")):
+                raise ValueError(
+                    f"--dataset {path!r}: not valid JSON: {exc.msg} at line {exc.lineno} column "
+                    f"{exc.colno}; expected a JSON list of records or JSON lines"
+                ) from None
+            data = None  # JSON lines with a .json name
         if isinstance(data, dict):  # {"train": [...]} or {"data": [...]}
             lists = [v for v in data.values() if isinstance(v, list)]
             data = lists[0] if len(lists) == 1 else None
         if isinstance(data, list):
-            return data
+            return Records(data)
+    records, origins, skipped = [], [], 0
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            if skip_bad:
+                skipped += 1
+                continue
+            raise ValueError(
+                f"--dataset {path!r}: line {number} is not valid JSON ({exc.msg} at column "
+                f"{exc.colno}); fix or remove that line, or pass --skip-bad-records to skip such "
+                "records (counted in the summary)"
+            ) from None
+        origins.append(f"{name} line {number}")
+    if skipped:
+        logger.warning("%s: skipped %d lines that are not valid JSON", path, skipped)
+    return Records(records, origins, skipped)
+
+
+def _is_json_object(line: str) -> bool:
     try:
-        return [json.loads(line) for line in text.splitlines() if line.strip()]
-    except json.JSONDecodeError as exc:
-        raise ValueError(
-            f"--dataset {path!r}: expected a JSON list of records or JSON lines, got a parse "
-            f"error: {exc}"
-        ) from None
+        return isinstance(json.loads(line), dict)
+    except json.JSONDecodeError:
+        return False
 
 
 def _load_hub(name: str, cfg: TrainConfig) -> list[dict[str, Any]]:
@@ -111,9 +168,56 @@ def _load_hub(name: str, cfg: TrainConfig) -> list[dict[str, Any]]:
     return ds.to_list()
 
 
+def _alpaca_fields(rec: dict[str, Any]) -> tuple[str, ...] | None:
+    """The alpaca field pair a record uses (instruction/output first), or None."""
+    return next((pair for pair in _ALPACA_FIELDS if all(k in rec for k in pair)), None)
+
+
+def _bad_field(rec: dict[str, Any], fmt: str, cfg: TrainConfig) -> str | None:
+    """Why a record that has the needed fields cannot be used (null / non-string), or None."""
+
+    def kind(value) -> str:
+        return "null" if value is None else type(value).__name__
+
+    if fmt == "text":
+        need = [cfg.text_field]
+    elif fmt == "alpaca":
+        need = list(_alpaca_fields(rec))
+        if need[0] == "instruction" and rec.get("input") is not None:  # input is optional
+            need.append("input")
+    else:
+        msgs = rec[cfg.messages_field]
+        if not isinstance(msgs, list):
+            return (
+                f"field '{cfg.messages_field}' is {kind(msgs)}, expected a list of "
+                "{role, content} messages"
+            )
+        for j, m in enumerate(msgs):
+            if not isinstance(m, dict):
+                return f"field '{cfg.messages_field}'[{j}] is {kind(m)}, expected a mapping"
+            for key in ("role", "content"):
+                if not isinstance(m.get(key), str):
+                    return (
+                        f"field '{cfg.messages_field}'[{j}]['{key}'] is {kind(m.get(key))}, "
+                        "expected a string"
+                    )
+        return None
+    for key in need:
+        if not isinstance(rec[key], str):
+            return f"field '{key}' is {kind(rec[key])}, expected a string"
+    return None
+
+
 def detect_format(records: Sequence[dict[str, Any]], cfg: TrainConfig, source: str) -> str:
-    """The record format to use; checks that every record has the fields it needs."""
-    keys = set(records[0])
+    """The record format to use; checks that every record has the fields it needs, as strings.
+
+    A record that lacks a field, or has it null or not a string, is an error naming the record
+    (and its file and line). With ``cfg.skip_bad_records`` such records are removed from
+    ``records`` in place instead (a ``Records`` list counts them in ``records.skipped``).
+    """
+    where = records.where if isinstance(records, Records) else (lambda i: f"record {i}")
+    first = next((r for r in records if isinstance(r, dict)), None)
+    keys = set(first) if first is not None else set()
     fmt = cfg.format
     if fmt == "auto":
         if cfg.messages_field in keys:
@@ -134,15 +238,43 @@ def detect_format(records: Sequence[dict[str, Any]], cfg: TrainConfig, source: s
         "alpaca": list(_ALPACA_FIELDS),
         "text": [(cfg.text_field,)],
     }[fmt]
+    good, first_bad = [], None
     for i, rec in enumerate(records):
-        if not isinstance(rec, dict) or not any(all(k in rec for k in opt) for opt in need):
-            got = sorted(rec) if isinstance(rec, dict) else type(rec).__name__
+        if not isinstance(rec, dict):
+            problem = f"{where(i)} is a {type(rec).__name__}, not a JSON object"
+        elif not any(all(k in rec for k in opt) for opt in need):
             want = " or ".join("+".join(opt) for opt in need)
-            raise ValueError(
-                f"--dataset {source!r}: record {i} lacks the fields --format {fmt} needs "
-                f"({want}); it has {got}. Hint: choose --format (alpaca/chat/text) or name the "
-                "field with --text-field / --messages-field"
+            problem = (
+                f"{where(i)} lacks the fields --format {fmt} needs ({want}); it has "
+                f"{sorted(rec)}. Hint: choose --format (alpaca/chat/text) or name the field with "
+                "--text-field / --messages-field"
             )
+        else:
+            why = _bad_field(rec, fmt, cfg)
+            problem = None if why is None else f"{where(i)}: {why}"
+        if problem is None:
+            good.append(i)
+        elif not cfg.skip_bad_records:
+            hint = "" if "Hint" in problem else "; fix the record or pass --skip-bad-records"
+            raise ValueError(f"--dataset {source!r}: {problem}{hint}")
+        elif first_bad is None:
+            first_bad = problem
+    if len(good) < len(records):
+        if not good:
+            raise ValueError(
+                f"--dataset {source!r}: no usable record for --format {fmt}; first: {first_bad}"
+            )
+        logger.warning(
+            "--skip-bad-records: skipped %d of %d records of %s (first: %s)",
+            len(records) - len(good),
+            len(records),
+            source,
+            first_bad,
+        )
+        if isinstance(records, Records):
+            records.keep(good)
+        else:
+            records[:] = [records[i] for i in good]
     return fmt
 
 
@@ -175,7 +307,7 @@ class Examples:
 
 
 def _alpaca_prompt(rec: dict[str, Any]) -> tuple[str, str]:
-    if "instruction" in rec:
+    if _alpaca_fields(rec)[0] == "instruction":
         extra = rec.get("input") or ""
         prompt = f"### Instruction:\n{rec['instruction']}\n\n"
         if extra:

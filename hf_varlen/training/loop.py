@@ -17,6 +17,12 @@ on the last micro-batch (``no_sync`` before).
 Ranks. ``TokenBudgetBatchSampler`` gives every rank the same number of micro-batches, balanced by
 tokens; an empty slot runs a one-token dummy batch whose loss is multiplied by 0, so every rank
 joins every collective (no hang on uneven data) and adds an exact zero.
+
+Failures. A step whose (all-reduced) loss or gradient norm is NaN/inf stops the run with
+``NonFiniteError`` before the optimizer update (``--on-nonfinite skip``: the update is skipped,
+the schedule still advances, and the summary counts it). A failed save raises ``CheckpointError``.
+A new run in an ``--output-dir`` that holds one is refused unless ``--resume`` or
+``--overwrite-output-dir`` says what to do with the old one.
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ from .model import (
     matmul_flops_per_token,
     pad_id,
     resolve_precision,
+    scope_backend,
 )
 
 logger = logging.getLogger("hf_varlen.training")
@@ -129,6 +136,24 @@ def _cpu_requested() -> bool:
     return cpu
 
 
+class NonFiniteError(RuntimeError):
+    """A step's loss or gradient norm was NaN/inf (``--on-nonfinite stop``, the default)."""
+
+
+def _nonfinite_message(step: int, loss: float, grad_norm: float, lr: float) -> str:
+    what = (
+        f"non-finite loss {loss} (gradient norm {grad_norm})"
+        if not math.isfinite(loss)
+        else f"non-finite gradient norm {grad_norm} (loss {loss:.4f})"
+    )
+    return (
+        f"step {step}: {what} at lr {lr:.3g}; stopped before the optimizer update (the weights "
+        f"after step {step - 1} are intact; nothing more was saved). Hint: lower --lr, keep "
+        "--max-grad-norm > 0, try --precision fp32 or bf16-mixed, check the data of this step, "
+        "or pass --on-nonfinite skip to skip such steps (counted in the summary)"
+    )
+
+
 class PackedTrainer:
     """One run. ``PackedTrainer(cfg).run()`` returns the summary dict (also written to summary.json).
 
@@ -157,16 +182,26 @@ class PackedTrainer:
         self.device = self.acc.device
         self.precision = "bf16-mixed" if mixed else resolve_precision(cfg, self.device)
         set_seed(cfg.seed)
+        # The checkpoint and the output folder are checked before anything is loaded.
+        self.resumed_from = ckpt.resolve_resume(
+            cfg.resume,
+            cfg.output_dir,
+            processes=self.acc.num_processes,
+            without_rng=cfg.resume_without_rng,
+        )
+        self._prepare_output_dir()
 
         # Data first: its errors are cheaper than loading a model.
         self.tokenizer = load_tokenizer(cfg)
         records = load_records(cfg.dataset, cfg)
         self.format = detect_format(records, cfg, cfg.dataset)
+        self.skipped_records = records.skipped
         examples = tokenize(records, self.format, self.tokenizer, cfg)
         self.train_ex, self.eval_ex = split_eval(examples, cfg.eval_split, cfg.seed)
         if cfg.eval_dataset:
             eval_records = load_records(cfg.eval_dataset, cfg)
             fmt = detect_format(eval_records, cfg, cfg.eval_dataset)
+            self.skipped_records += eval_records.skipped
             self.eval_ex = tokenize(eval_records, fmt, self.tokenizer, cfg)
         self.sampler = self._sampler(self.train_ex, shuffle=True)
         self.eval_sampler = self._sampler(self.eval_ex, shuffle=False) if self.eval_ex else None
@@ -179,10 +214,12 @@ class PackedTrainer:
 
         # Model.
         model = build_model(cfg, self.tokenizer, self.precision, self.device)
+        scope_backend(model, cfg)
         if model_hook is not None:
             model_hook(model)
         self.kernels, fused_ce = apply_kernels(model, cfg, self.device)
-        # The fused CE returns logits-free outputs in training; in eval it needs to be asked.
+        # The fused CE skips the logits in training; eval asks for it with the wrapped forward's
+        # public per-call keyword (hf_varlen.integrations.loss).
         self.eval_kwargs = {"fused_loss": True} if fused_ce else {}
         if cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable(
@@ -222,10 +259,41 @@ class PackedTrainer:
         )
         self.acc.register_for_checkpointing(self.scheduler, self.state)
         self._preflight()
-        self.resumed_from = ckpt.resolve_resume(cfg.resume, cfg.output_dir)
         if self.resumed_from:
-            self.acc.load_state(self.resumed_from)
+            try:
+                self.acc.load_state(self.resumed_from)
+            except (OSError, RuntimeError, KeyError, EOFError) as exc:
+                raise ckpt.CheckpointError(
+                    f"--resume {self.resumed_from!r}: loading failed: {exc}"
+                ) from exc
             self._log(f"resumed from {self.resumed_from} at step {self.state.step}")
+
+    def _prepare_output_dir(self) -> None:
+        """Refuse to mix two runs in one --output-dir; --overwrite-output-dir removes the old one."""
+        cfg, out = self.cfg, self.cfg.output_dir
+        found = ckpt.run_artifacts(out)
+        parent = os.path.dirname(os.path.abspath(self.resumed_from or out))
+        inside = (
+            self.resumed_from is not None and os.path.isdir(out) and os.path.samefile(parent, out)
+        )
+        if cfg.overwrite_output_dir:
+            if inside:
+                raise ValueError(
+                    f"--overwrite-output-dir would delete {self.resumed_from}, which --resume "
+                    "names; drop one of the two"
+                )
+            if found and self.acc.is_main_process:
+                ckpt.remove_run(out)
+                logger.warning("--overwrite-output-dir: removed from %s: %s", out, ", ".join(found))
+            self.acc.wait_for_everyone()
+        elif found and not inside:
+            start = "a new run" if self.resumed_from is None else "a resumed run"
+            raise ValueError(
+                f"--output-dir {out!r} already holds a run ({', '.join(found[:6])}); {start} "
+                "there would mix with it. Pass --resume latest to continue it, "
+                "--overwrite-output-dir to replace it (its checkpoints are deleted too), or choose "
+                "another --output-dir"
+            )
 
     # ------------------------------------------------------------------------------------------ #
 
@@ -288,14 +356,14 @@ class PackedTrainer:
             n_items = local
         loss = torch.zeros((), device=self.device)
         for i, mb in enumerate(batches):
-            loss += self._micro_step(mb, n_items, sync=i == len(batches) - 1)
+            mb_loss = self._micro_step(mb, n_items, sync=i == len(batches) - 1)
+            if not mb.dummy:  # a dummy adds exactly zero (its 0/0 may be NaN when N == 0)
+                loss += mb_loss
         max_norm = self.cfg.max_grad_norm or math.inf
         grad_norm = self.acc.clip_grad_norm_(self.model.parameters(), max_norm)
         lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
         real = [b for b in batches if not b.dummy]
+        # Reduced before the update, so every rank takes the same decision on a non-finite step.
         totals = self._reduce(
             [
                 float(loss),
@@ -307,10 +375,20 @@ class PackedTrainer:
             ]
         )
         gn = float(grad_norm) if grad_norm is not None else math.nan
+        finite = math.isfinite(totals[0]) and (grad_norm is None or math.isfinite(gn))
+        if finite:
+            self.optimizer.step()
+        elif self.cfg.on_nonfinite == "stop":
+            self.optimizer.zero_grad(set_to_none=True)
+            raise NonFiniteError(_nonfinite_message(self.state.step + 1, totals[0], gn, lr))
+        # A skipped step still advances the schedule: steps count data consumed, not updates.
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
         return {
             "loss": totals[0],
             "lr": lr,
             "grad_norm": gn,
+            "skipped": not finite,
             "real_tokens": int(totals[1]),
             "tensor_tokens": int(totals[2]),
             "label_tokens": int(totals[3]),
@@ -371,6 +449,12 @@ class PackedTrainer:
                     counts = self.train_step(group)
                     st.micro += len(group)
                     st.step += 1
+                    if counts["skipped"]:
+                        st.skipped += 1
+                        run_log.message(
+                            f"step {st.step}: non-finite loss {counts['loss']} / gradient norm "
+                            f"{counts['grad_norm']}: update skipped (--on-nonfinite skip)"
+                        )
                     st.tokens += counts["real_tokens"]
                     st.elapsed = time.perf_counter() - t_origin
                     record = run_log.step(
@@ -436,6 +520,8 @@ class PackedTrainer:
             device=str(self.device),
             output_dir=cfg.output_dir,
             resumed_from=self.resumed_from,
+            skipped_steps=self.state.skipped,
+            skipped_records=self.skipped_records,
             env=environment(self.device),
         )
         if self.acc.is_main_process:

@@ -22,6 +22,7 @@ and per evaluation), ``summary.json``, and with ``--plot`` ``loss_vs_step.png``,
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import resource
@@ -29,6 +30,8 @@ import sys
 from typing import Any
 
 import torch
+
+logger = logging.getLogger("hf_varlen.training")
 
 # Dense bf16 tensor-core peaks (TFLOP/s, no sparsity), matched against the CUDA device name.
 _PEAK_TFLOPS = (
@@ -193,15 +196,35 @@ def _truncate_log(path: str, keep_upto_step: int) -> None:
     if keep_upto_step == 0:
         os.remove(path)
         return
-    with open(path, encoding="utf-8") as fh:
-        kept = [ln for ln in fh if ln.strip() and json.loads(ln).get("step", 0) <= keep_upto_step]
+    kept = [r for r in _parse_log(path) if r.get("step", 0) <= keep_upto_step]
     with open(path, "w", encoding="utf-8") as fh:
-        fh.writelines(kept)
+        fh.writelines(json.dumps(r) + "\n" for r in kept)
+
+
+def _parse_log(path: str) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl. A torn last line (a run killed while writing it) is
+    dropped with a warning; a damaged line before it is an error naming the line."""
+    with open(path, encoding="utf-8") as fh:
+        lines = [(i, ln) for i, ln in enumerate(fh, 1) if ln.strip()]
+    records = []
+    for k, (number, line) in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            if k == len(lines) - 1:
+                logger.warning("%s: dropped its torn last line %d: %r", path, number, line[:60])
+                continue
+            from .checkpoint import CheckpointError
+
+            raise CheckpointError(
+                f"{path} line {number} is damaged ({exc.msg}); the run log is not a record of "
+                "one run: repair or delete that line, or start over with --overwrite-output-dir"
+            ) from None
+    return records
 
 
 def read_log(run_dir: str) -> list[dict[str, Any]]:
-    with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as fh:
-        return [json.loads(ln) for ln in fh if ln.strip()]
+    return _parse_log(os.path.join(run_dir, "metrics.jsonl"))
 
 
 def summarize(records: list[dict[str, Any]], evals: list[dict[str, Any]], **info: Any) -> dict:
@@ -213,17 +236,18 @@ def summarize(records: list[dict[str, Any]], evals: list[dict[str, Any]], **info
     held = sum(r["tensor_tokens"] for r in records)
     budget = sum(r["budget_tokens"] for r in records)
     real = sum(r["real_tokens"] for r in records)
-    head = [r["loss"] for r in records[: max(1, len(records) // 10)]]
-    tail = [r["loss"] for r in records[-max(1, len(records) // 10) :]]
+    updated = [r for r in records if not r.get("skipped")]  # skipped steps have no finite loss
+    head = [r["loss"] for r in updated[: max(1, len(updated) // 10)]]
+    tail = [r["loss"] for r in updated[-max(1, len(updated) // 10) :]]
     return {
         **info,
         "steps": records[-1]["step"] if records else 0,
         "real_tokens": real,
         "wall_time_s": records[-1]["elapsed"] if records else 0.0,
-        "loss_first": records[0]["loss"] if records else math.nan,
-        "loss_last": records[-1]["loss"] if records else math.nan,
-        "loss_first_10pct": sum(head) / len(head) if records else math.nan,
-        "loss_last_10pct": sum(tail) / len(tail) if records else math.nan,
+        "loss_first": updated[0]["loss"] if updated else math.nan,
+        "loss_last": updated[-1]["loss"] if updated else math.nan,
+        "loss_first_10pct": sum(head) / len(head) if updated else math.nan,
+        "loss_last_10pct": sum(tail) / len(tail) if updated else math.nan,
         "eval_loss": evals[-1]["eval_loss"] if evals else None,
         "tokens_per_s": tokens / seconds if seconds else 0.0,
         "packing_efficiency": real / held if held else 0.0,
@@ -251,9 +275,11 @@ def format_summary(s: dict[str, Any]) -> str:
         f"  model       {s['model']} ({s['params'] / 1e6:.2f}M params, {s['trainable'] / 1e6:.2f}M "
         f"trained), {s['mode']}, attention {s['attention']}, precision {s['precision']}",
         f"  kernels     {s['kernels']}",
-        f"  data        {s['data']}",
+        f"  data        {s['data']}"
+        + (f", {s['skipped_records']} bad records skipped" if s.get("skipped_records") else ""),
         f"  run         {s['steps']} steps on {s['processes']} x {s['device']}, "
-        f"{s['wall_time_s']:.1f} s, {_fmt_tokens(s['real_tokens'])} tokens",
+        f"{s['wall_time_s']:.1f} s, {_fmt_tokens(s['real_tokens'])} tokens"
+        + (f", {s['skipped_steps']} steps skipped (non-finite)" if s.get("skipped_steps") else ""),
         f"  loss        {s['loss_first']:.4f} -> {s['loss_last']:.4f} (mean of first/last 10%: "
         f"{s['loss_first_10pct']:.4f} -> {s['loss_last_10pct']:.4f}){eval_part}",
         f"  throughput  {s['tokens_per_s']:,.0f} tokens/s (after step 1), packing efficiency "

@@ -155,19 +155,37 @@ def check_attention(model, attn: str, name: str) -> None:
         )
 
 
+def _packed(cfg: TrainConfig) -> bool:
+    return not cfg.padded and cfg.attn_implementation == "varlen_packed"
+
+
 def check_backend(cfg: TrainConfig) -> None:
-    """Validate ``--attn-backend`` and make it the process default (before any model is built)."""
-    if cfg.padded or cfg.attn_implementation != "varlen_packed":
+    """Validate ``--attn-backend`` before anything is loaded; changes nothing."""
+    if not _packed(cfg) or cfg.attn_backend == "auto":
         return
     import hf_varlen
 
-    try:
-        hf_varlen.set_backend(cfg.attn_backend)
+    if cfg.attn_backend in hf_varlen.available_backends():
+        return
+    try:  # raises with the reason (unknown, or cannot run here); the throwaway module is discarded
+        hf_varlen.set_backend(cfg.attn_backend, model=torch.nn.Module())
+        reason = "not available here"
     except (ValueError, RuntimeError) as exc:
-        raise ValueError(
-            f"--attn-backend {cfg.attn_backend!r}: {exc}. Available here: "
-            f"{hf_varlen.available_backends()} (or 'auto')"
-        ) from None
+        reason = str(exc)
+    raise ValueError(
+        f"--attn-backend {cfg.attn_backend!r}: {reason}. Available here: "
+        f"{hf_varlen.available_backends()} (or 'auto')"
+    )
+
+
+def scope_backend(model, cfg: TrainConfig) -> None:
+    """Give ``model`` the ``--attn-backend`` choice (its own scope: the process-wide default that
+    ``hf_varlen.set_backend(name)`` sets for everything else stays as it was). 'auto' leaves the
+    model to the process default."""
+    if _packed(cfg):
+        import hf_varlen
+
+        hf_varlen.set_backend(cfg.attn_backend, model=model)
 
 
 def apply_kernels(model, cfg: TrainConfig, device: torch.device) -> tuple[str, bool]:
@@ -192,9 +210,8 @@ def apply_kernels(model, cfg: TrainConfig, device: torch.device) -> tuple[str, b
     report = kernelize(
         model, rope=layers, glu=layers, rmsnorm=layers, cross_entropy=loss, device=device.type
     )
-    counts = getattr(report, "counts", {})
     text = str(report) if layers else f"layer kernels off (--fused-kernels); {report}"
-    return text, bool(counts.get("cross_entropy"))
+    return text, report.installed("cross_entropy")
 
 
 def apply_lora(model, cfg: TrainConfig):
