@@ -8,6 +8,7 @@ import copy
 import dataclasses
 import doctest
 import inspect
+import pickle
 
 import numpy as np
 import pytest
@@ -340,6 +341,8 @@ def test_is_a_default_data_collator_dataclass():
     assert (fresh.max_length, fresh.pad_to_multiple_of, fresh.num_skipped_empty) == (16, 4, 0)
     with pytest.raises(ValueError, match="max_length must be >= 1"):
         dataclasses.replace(collator, max_length=0)
+    # DataLoader workers get a pickled copy.
+    assert pickle.loads(pickle.dumps(collator)) == collator
 
 
 def test_docstring_examples_hold():
