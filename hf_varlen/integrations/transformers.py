@@ -16,6 +16,9 @@ Where documents come from (first match wins; see hf_varlen.metadata):
 
 from __future__ import annotations
 
+import threading
+import weakref
+
 import torch
 
 from ..backends.registry import MODEL_BACKEND_ATTR
@@ -56,6 +59,140 @@ def attention_dtype(module: torch.nn.Module, query, key, value) -> torch.dtype:
     if query.dtype == key.dtype == value.dtype:
         return query.dtype
     return torch.promote_types(torch.promote_types(query.dtype, key.dtype), value.dtype)
+
+
+_MASK_CONTRACT = (
+    "varlen_packed implements the FlashAttention contract (a 2-D padding mask or document "
+    "offsets, a sliding window, a logit softcap)"
+)
+_UNSUPPORTED: dict[type, str | None] = {}  # config class -> why its model cannot run (None: it can)
+
+
+def _model_name(config) -> str:
+    return f"model_type={getattr(config, 'model_type', None)!r} ({type(config).__name__})"
+
+
+def _unsupported_reason(model_cls: type) -> str | None:
+    """Why a model class cannot run under varlen_packed, or None. Class flags only."""
+    name = model_cls.__name__
+    if not model_cls.is_backend_compatible():
+        return (
+            f"{name} does not dispatch its attention through transformers' AttentionInterface "
+            "(legacy attention classes, _supports_attention_backend = False), so varlen_packed "
+            "would never run and its own attention would get no mask"
+        )
+    if not getattr(model_cls, "_supports_flash_attn", False):
+        return (
+            f"{name} declares _supports_flash_attn = False: its attention needs more than "
+            f"{_MASK_CONTRACT}, e.g. a 4-D mask (a DSA indexer, a position bias, chunked "
+            "attention)"
+        )
+    return None
+
+
+def _check_config(config) -> None:
+    """Raise for a model whose config maps (transformers' auto classes) to an unsupported class."""
+    key = type(config)
+    if key not in _UNSUPPORTED:
+        from transformers.models.auto.modeling_auto import MODEL_MAPPING
+
+        try:
+            model_cls = MODEL_MAPPING[key]
+        except (KeyError, ValueError):  # a custom model: nothing to look up, nothing to refuse
+            model_cls = None
+        _UNSUPPORTED[key] = None if model_cls is None else _unsupported_reason(model_cls)
+    reason = _UNSUPPORTED[key]
+    if reason is not None:
+        raise ValueError(
+            f"attn_implementation='varlen_packed' cannot serve {_model_name(config)}: {reason}. "
+            "Load it with attn_implementation='sdpa' or 'eager'"
+        )
+
+
+def check_model(model: torch.nn.Module) -> None:
+    """Raise now, naming the model, if it cannot run under varlen_packed (no forward needed).
+
+    The same class checks run by themselves at the first forward (from the mask function); this
+    also covers models that never build a mask through transformers' masking utilities.
+    """
+    reason = _unsupported_reason(type(model))
+    if reason is not None:
+        raise ValueError(
+            f"attn_implementation='varlen_packed' cannot serve "
+            f"{_model_name(getattr(model, 'config', None))}: {reason}. Load it with "
+            "attn_implementation='sdpa' or 'eager'"
+        )
+
+
+class _LastMaskCall(threading.local):
+    """What the last mask call of this thread saw, for the attention function of the same forward.
+
+    transformers detects packed position_ids (positions that do not step by +1) before it calls
+    the mask function, and then hands it a mask function that separates the documents and
+    ``allow_is_causal_skip=False``. Some models (e.g. persimmon, ministral3, cohere_compass) never
+    pass position_ids on to their attention layers; there, this record is the only evidence that a
+    row packs several documents. Evaluated lazily: only when a layer got neither position_ids nor
+    cu_seq_lens.
+    """
+
+    config = None  # weakref to the config of that call
+    probe = None  # (mask_function, batch_size, q_length, q_offset, kv_offset, device)
+    packed = None  # the probe's verdict once evaluated
+
+
+_LAST_MASK_CALL = _LastMaskCall()
+
+
+def _remember_mask_call(kwargs) -> None:
+    record = _LAST_MASK_CALL
+    config = kwargs.get("config")
+    suspect = (
+        config is not None
+        and kwargs.get("attention_mask") is None
+        and kwargs.get("allow_is_causal_skip") is False
+        and callable(kwargs.get("mask_function"))
+    )
+    if not suspect:
+        record.config = record.probe = record.packed = None
+        return
+    record.config = weakref.ref(config)
+    record.probe = tuple(
+        kwargs.get(k) for k in ("mask_function", "batch_size", "q_length", "q_offset", "kv_offset")
+    ) + (kwargs.get("device"),)
+    record.packed = None
+
+
+def _documents_restart(probe) -> bool:
+    """True when the mask function forbids some token from seeing its predecessor: a new document."""
+    fn, bsz, q_len, q_offset, kv_offset, device = probe
+    if not bsz or not q_len or q_len < 2:
+        return False
+    rows = torch.arange(bsz, device=device)[:, None]
+    head = torch.zeros(1, 1, dtype=torch.long, device=device)
+    i = torch.arange(1, q_len, device=device)[None, :]
+    sees_previous = fn(rows, head, i + (q_offset or 0), i - 1 + (kv_offset or 0))
+    return not bool(torch.as_tensor(sees_previous).all())
+
+
+def _check_positions_reached(module, query, key) -> None:
+    """Raise if the model dropped the position_ids of a batch packed by position_ids only."""
+    record = _LAST_MASK_CALL
+    config = getattr(module, "config", None)
+    if record.config is None or config is None or record.config() is not config:
+        return
+    if query.shape[2] != key.shape[2]:
+        return
+    if record.packed is None:
+        record.packed = _documents_restart(record.probe)
+    if record.packed:
+        raise ValueError(
+            f"{_model_name(config)}: its attention layer {type(module).__name__} does not receive "
+            "position_ids, and this batch packs several documents into one row by position_ids "
+            "alone, so varlen_packed cannot see where the documents start (it would attend across "
+            "them). Give the batch the document offsets cu_seq_lens_q/k and max_length_q/k: "
+            "hf_varlen.PackingCollator() adds them by default, as does "
+            "DataCollatorWithFlattening(return_flash_attn_kwargs=True)"
+        )
 
 
 def _metadata(query, key, attention_mask, kwargs) -> VarlenMetadata:
@@ -110,8 +247,10 @@ def varlen_packed_forward(
     """AttentionInterface function for ``attn_implementation="varlen_packed"``."""
     if kwargs.get("s_aux") is not None:
         raise ValueError(
-            "varlen_packed does not implement attention sinks (s_aux, e.g. gpt-oss); use "
-            "attn_implementation='eager' or a FlashAttention-3 build for this model"
+            f"varlen_packed does not implement attention sinks (s_aux), which "
+            f"{_model_name(getattr(module, 'config', None))} needs in "
+            f"{type(module).__name__} (e.g. gpt-oss); use attn_implementation='eager' or a "
+            "FlashAttention-3 build for this model"
         )
     # One dtype for q, k, v on every backend (fp32 weights under autocast mix them); the cast is
     # silent, as in transformers' FlashAttention path minus its once-per-process warning (no
@@ -122,6 +261,13 @@ def varlen_packed_forward(
     is_causal = kwargs.get("is_causal")
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
+    if (
+        attention_mask is None
+        and kwargs.get("position_ids") is None
+        and kwargs.get("cu_seq_lens_q") is None
+        and not torch.compiler.is_compiling()
+    ):
+        _check_positions_reached(module, query, key)
     meta = _metadata(query, key, attention_mask, kwargs)
     # (B, H, T, D) -> (B*T, H, D): a view for B == 1 (packed batches), a copy otherwise.
     q = query.transpose(1, 2).reshape(bsz * q_len, h_q, head_dim)
@@ -159,10 +305,18 @@ def varlen_packed_mask(*args, **kwargs):
     """Mask function: None for packed / unpadded batches, else the 2-D bool padding mask.
 
     The same contract as transformers' FlashAttention mask function (which we reuse): the attention
-    function unpads by itself, so no dense (T x T) mask is ever built.
+    function unpads by itself, so no dense (T x T) mask is ever built. Called once per forward
+    before any layer, it is also where a model that cannot run under varlen_packed (legacy
+    attention, a 4-D mask) is refused, and where packed position_ids are noted for the attention
+    function. Both checks are skipped while torch.compile traces (they run in eager mode).
     """
     from transformers.masking_utils import flash_attention_mask
 
+    if not torch.compiler.is_compiling():
+        config = kwargs.get("config")
+        if config is not None:
+            _check_config(config)
+        _remember_mask_call(kwargs)
     return flash_attention_mask(*args, **kwargs)
 
 

@@ -1,0 +1,181 @@
+"""Loud where varlen_packed cannot be right (real transformers model classes, tiny configs, CPU).
+
+- attention sinks (gpt-oss's s_aux): the first forward raises, naming the model;
+- a model whose attention needs a 4-D mask (DSA indexer: deepseek_v32, glm_moe_dsa) or that does
+  not use transformers' attention interface (bloom, codegen, xglm, mpt): the first forward raises
+  from the mask function, before any layer runs; ``check_model`` says the same without a forward;
+- models that never pass position_ids to their attention layers (persimmon, ministral3,
+  cohere_compass): a batch packed by position_ids alone raises, pointing at the collator kwargs;
+  the same batch with cu_seq_lens kwargs equals each document run alone.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.models.cohere_compass.configuration_cohere_compass import (
+    CohereCompassTextConfig,
+)
+from transformers.models.cohere_compass.modeling_cohere_compass import CohereCompassForCausalLM
+
+import hf_varlen
+from hf_varlen.integrations.transformers import check_model
+
+ATTN = hf_varlen.ATTN_IMPLEMENTATION
+VOCAB = 97
+LLAMA_LIKE = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+LEGACY = {
+    "bloom": dict(vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4),
+    "codegen": dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, rotary_dim=4),
+    "xglm": dict(vocab_size=VOCAB, d_model=32, num_layers=2, attention_heads=4, ffn_dim=64),
+    "mpt": dict(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4),
+}
+DSA = {
+    "deepseek_v32": dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+        index_n_heads=2,
+        index_head_dim=16,
+        index_topk=4,
+    ),
+}
+
+
+def _ids(n=8):
+    return torch.randint(3, VOCAB, (1, n), generator=torch.Generator().manual_seed(0))
+
+
+def _tiny(model_type, **kw):
+    cfg = AutoConfig.for_model(model_type, **kw)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation=ATTN).eval()
+
+
+def test_attention_sinks_raise_at_first_forward_naming_the_model():
+    model = _tiny("gpt_oss", **LLAMA_LIKE, head_dim=16, num_local_experts=2, num_experts_per_tok=1)
+    check_model(model)  # the class is fine: sinks only show at the attention call
+    with pytest.raises(ValueError, match=r"attention sinks \(s_aux\).*'gpt_oss'.*GptOssAttention"):
+        model(input_ids=_ids())
+
+
+@pytest.mark.parametrize("model_type", list(LEGACY))
+def test_legacy_attention_classes_refused_at_first_forward(model_type):
+    model = _tiny(model_type, **LEGACY[model_type])  # loads: transformers checks only the name
+    pattern = rf"cannot serve model_type='{model_type}'.*AttentionInterface.*'sdpa' or 'eager'"
+    with pytest.raises(ValueError, match=pattern):
+        check_model(model)
+    with pytest.raises(ValueError, match=pattern), torch.no_grad():
+        model(input_ids=_ids())
+
+
+@pytest.mark.parametrize("model_type", list(DSA))
+def test_models_needing_a_4d_mask_refused_at_first_forward(model_type):
+    model = _tiny(model_type, **DSA[model_type])
+    pattern = rf"cannot serve model_type='{model_type}'.*_supports_flash_attn = False.*4-D mask"
+    with pytest.raises(ValueError, match=pattern):
+        check_model(model)
+    with pytest.raises(ValueError, match=pattern), torch.no_grad():
+        model(input_ids=_ids())
+
+
+def test_legacy_classes_that_pick_an_attention_class_by_name_fail_at_load():
+    """falcon / gptj index their own attention-class table by the name: loud already at load."""
+    with pytest.raises(KeyError, match=ATTN):
+        _tiny(
+            "falcon", vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=4
+        )
+
+
+def test_supported_model_passes_check_model():
+    check_model(_tiny("llama", **LLAMA_LIKE))
+
+
+def _compass_text(attn):
+    # a text LM class reachable only directly: its auto entry is the multimodal model
+    cfg = CohereCompassTextConfig(
+        **LLAMA_LIKE,
+        sliding_window=64,
+        rope_parameters={
+            "full_attention": {
+                "rope_type": "default",
+                "rope_theta": 1e4,
+                "mrope_section": [4, 2, 2],
+            }
+        },
+    )
+    return CohereCompassForCausalLM._from_config(cfg, attn_implementation=attn)
+
+
+def _auto(model_type, **kw):
+    return lambda attn: AutoModelForCausalLM.from_config(
+        AutoConfig.for_model(model_type, **kw), attn_implementation=attn
+    )
+
+
+# Their attention layers take position_ids as a named argument and do not pass it on.
+NO_POSITIONS = {
+    "ministral3": _auto("ministral3", **LLAMA_LIKE, head_dim=16),
+    "persimmon": _auto(
+        "persimmon", **{k: v for k, v in LLAMA_LIKE.items() if k != "num_key_value_heads"}
+    ),
+    "cohere_compass": _compass_text,
+}
+LENGTHS = [5, 7, 4]
+
+
+def _build(kind, attn):
+    torch.manual_seed(0)
+    return NO_POSITIONS[kind](attn).eval()
+
+
+@pytest.mark.parametrize("kind", list(NO_POSITIONS))
+def test_dropped_position_ids_of_a_packed_batch_raise(kind):
+    model = _build(kind, ATTN)
+    g = torch.Generator().manual_seed(1)
+    docs = [torch.randint(3, VOCAB, (n,), generator=g) for n in LENGTHS]
+    batch = hf_varlen.PackingCollator()([{"input_ids": d.tolist()} for d in docs])
+    batch.pop("labels")
+    ids, pos = batch["input_ids"], batch["position_ids"]
+    with torch.no_grad():
+        # use_cache=False, as every trainer runs packed batches: with a cache transformers does
+        # not look for packed position_ids (nor can we), for any model and attention
+        with pytest.raises(ValueError, match=r"does not receive position_ids.*PackingCollator"):
+            model(input_ids=ids, position_ids=pos, use_cache=False)
+        # the documented fix: the collator's document offsets reach every attention layer
+        got = model(**batch).logits[0]
+        ref = _build(kind, "eager")
+        want = torch.cat([ref(input_ids=d[None]).logits[0] for d in docs])
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        # one unpacked sequence, a padded batch and plain decoding raise nothing
+        model(input_ids=ids, use_cache=False)
+        model(input_ids=ids, position_ids=torch.arange(ids.shape[1])[None], use_cache=False)
+        mask = torch.ones(2, 8, dtype=torch.long)
+        mask[1, 5:] = 0
+        model(input_ids=torch.randint(3, VOCAB, (2, 8), generator=g), attention_mask=mask)
+        model.generate(input_ids=docs[0][None], max_new_tokens=3, do_sample=False)
