@@ -117,13 +117,19 @@ def _where() -> str:
     return f" (rank {os.environ.get('RANK', '?')})" if world > 1 else ""
 
 
+def _raised_by_us(exc: BaseException) -> bool:
+    """True when the innermost frame of ``exc`` is hf_varlen code (its message is ours)."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    here = os.path.dirname(os.path.abspath(__file__))
+    return tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(here)
+
+
 def _message(exc: BaseException) -> str:
-    """The error on one line; errors raised by other libraries keep their type's name."""
+    """The error on one line; errors raised inside other libraries keep their type's name."""
     text = " ".join(str(exc).split()) or type(exc).__name__
-    ours = type(exc).__module__.startswith("hf_varlen") or isinstance(
-        exc, (ValueError, ImportError)
-    )
-    return text if ours else f"{type(exc).__name__}: {text}"
+    return text if _raised_by_us(exc) else f"{type(exc).__name__}: {text}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -247,9 +247,12 @@ class TrainConfig:
                 "continue from; pass one of them"
             )
         if self.resume not in (None, "latest") and not os.path.isdir(self.resume):
+            from .sources import closest_existing
+
+            guess = closest_existing(self.resume)
             raise ValueError(
-                f"--resume: expected a checkpoint directory or 'latest', got {self.resume!r} "
-                "(no such directory)"
+                f"--resume: expected a checkpoint folder or 'latest', got {self.resume!r} (no such "
+                "folder" + (f"; did you mean {guess!r}?)" if guess else ")")
             )
 
     @property

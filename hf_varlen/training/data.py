@@ -38,6 +38,7 @@ import torch
 from ..ops.common import IGNORE_INDEX
 from .builtin import builtin_records
 from .config import TrainConfig
+from .sources import dataset_access, local_or_hub
 
 logger = logging.getLogger("hf_varlen.training")
 
@@ -71,19 +72,22 @@ class Records(list):
         self[:] = [self[i] for i in indices]
 
 
-def load_records(source: str, cfg: TrainConfig) -> Records:
+def load_records(source: str, cfg: TrainConfig, flag: str = "--dataset") -> Records:
     """``source``: 'builtin', a local .json/.jsonl/.parquet file (or a directory of them), or a
-    hub dataset id. Returns the records (at most ``cfg.max_examples``). A line of a JSON-lines file
-    that is not valid JSON is an error naming the file and line (skipped and counted with
+    hub dataset id (``sources.local_or_hub``: a missing path is an error, not a Hub lookup).
+    Returns the records (at most ``cfg.max_examples``). A line of a JSON-lines file that is not
+    valid JSON is an error naming the file and line (skipped and counted with
     ``cfg.skip_bad_records``)."""
     if source == "builtin":
         records = Records(builtin_records(cfg.builtin_examples, cfg.seed))
-    elif os.path.exists(source):
-        records = _load_local(source, cfg.skip_bad_records)
     else:
-        records = Records(_load_hub(source, cfg))
+        path, local = local_or_hub(flag, source, data=True)
+        if local:
+            records = _load_local(path, cfg.skip_bad_records)
+        else:
+            records = Records(_load_hub(source, cfg, flag))
     if not records:
-        raise ValueError(f"--dataset {source!r}: no records found")
+        raise ValueError(f"{flag} {source!r}: no records found")
     if cfg.max_examples is not None:
         records = records.head(cfg.max_examples)
     return records
@@ -156,14 +160,15 @@ def _is_json_object(line: str) -> bool:
         return False
 
 
-def _load_hub(name: str, cfg: TrainConfig) -> list[dict[str, Any]]:
+def _load_hub(name: str, cfg: TrainConfig, flag: str = "--dataset") -> list[dict[str, Any]]:
     try:
         import datasets
     except ImportError:
         raise ImportError(
-            f"--dataset {name!r} is not a local file, so it is read from the Hugging Face Hub, "
+            f"{flag} {name!r} is not a local file, so it is read from the Hugging Face Hub, "
             "which needs `datasets`: `pip install datasets` (or pass a local .json/.jsonl/.parquet)"
         ) from None
+    dataset_access(flag, name)
     ds = datasets.load_dataset(name, cfg.dataset_config, split=cfg.dataset_split)
     return ds.to_list()
 

@@ -199,7 +199,7 @@ class PackedTrainer:
         examples = tokenize(records, self.format, self.tokenizer, cfg)
         self.train_ex, self.eval_ex = split_eval(examples, cfg.eval_split, cfg.seed)
         if cfg.eval_dataset:
-            eval_records = load_records(cfg.eval_dataset, cfg)
+            eval_records = load_records(cfg.eval_dataset, cfg, "--eval-dataset")
             fmt = detect_format(eval_records, cfg, cfg.eval_dataset)
             self.skipped_records += eval_records.skipped
             self.eval_ex = tokenize(eval_records, fmt, self.tokenizer, cfg)

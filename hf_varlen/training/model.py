@@ -22,6 +22,7 @@ import torch
 
 from .builtin import PRESETS, byte_tokenizer
 from .config import TrainConfig
+from .sources import hub_access, local_or_hub
 
 logger = logging.getLogger("hf_varlen.training")
 
@@ -32,7 +33,10 @@ def load_tokenizer(cfg: TrainConfig):
         return byte_tokenizer()
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(name or cfg.model)
+    flag = "--tokenizer" if name else "--model"
+    source, local = local_or_hub(flag, name or cfg.model)
+    extra = {} if local else hub_access(flag, source, filename="tokenizer_config.json")
+    tok = AutoTokenizer.from_pretrained(source, **extra)
     tok.padding_side = "right"
     if tok.pad_token_id is None:
         if tok.eos_token_id is None:
@@ -114,9 +118,11 @@ def build_model(cfg: TrainConfig, tokenizer, precision: str, device: torch.devic
         with torch.device(device or "cpu"):
             model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype)
     else:
+        source, local = local_or_hub("--model", cfg.model)
+        extra = {} if local else hub_access("--model", source)
         try:
             model = AutoModelForCausalLM.from_pretrained(
-                cfg.model, attn_implementation=attn, dtype=dtype, **overrides
+                source, attn_implementation=attn, dtype=dtype, **extra, **overrides
             )
         except ValueError as exc:
             if "attn_implementation" in str(exc):

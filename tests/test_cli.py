@@ -1,0 +1,198 @@
+"""The `hf-varlen` command line as a first-time user meets it (issue 15 items 1, 2 and 4).
+
+Errors are one `hf-varlen: error: ...` line (exit 2 for usage / configuration, 1 for failures
+while training), tracebacks only with --debug or HF_VARLEN_DEBUG=1; --help reads cleanly and parses
+without loading the training loop; local paths are paths (a typo is "no such file or folder" with
+the closest name), Hub ids fail fast and once when the Hub cannot be reached.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hf_varlen import cli
+from hf_varlen.training import sources
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--builtin-examples", "48", "--max-length", "256", "--tokens-per-batch", "512"]
+TINY += ["--no-progress", "--no-save-final"]
+
+
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# --------------------------------------------------------------------------------------------- #
+# 1. Errors and exit codes
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--max-steps", "0"], "--max-steps must be >= 1, got 0"),
+        (["--max-length", "512", "--tokens-per-batch", "256"], "--tokens-per-batch: expected >="),
+        (["--attn-backend", "nope"], "--attn-backend 'nope'"),
+        (["--resume", "no/such/checkpoint-3"], "--resume: expected a checkpoint folder"),
+    ],
+)
+def test_configuration_error_is_one_line_and_exit_2(tmp_path, capsys, flags, message):
+    code, _, err = run_cli(capsys, "train", "--output-dir", str(tmp_path), *TINY, *flags)
+    assert code == 2
+    lines = [ln for ln in err.splitlines() if ln.startswith("hf-varlen: error")]
+    assert len(lines) == 1 and message in lines[0], err
+    assert "Traceback" not in err
+
+
+def test_missing_optional_package_is_a_usage_error(tmp_path, capsys, monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: None if n == "matplotlib" else real(n, *a)
+    )
+    code, _, err = run_cli(capsys, "train", "--output-dir", str(tmp_path), *TINY, "--plot")
+    assert code == 2 and "hf-varlen: error: --plot needs `matplotlib`" in err
+    assert "Traceback" not in err
+
+
+def test_bad_flag_value_is_argparse_exit_2(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["train", "--max-steps", "many"])
+    assert exit_info.value.code == 2
+    assert "hf-varlen train: error: argument --max-steps" in capsys.readouterr().err
+
+
+def test_unknown_command_exit_2(capsys):
+    code, out, err = run_cli(capsys, "trian")
+    assert code == 2 and "hf-varlen: error: unknown command 'trian'" in err
+    assert "train" in out
+
+
+def test_runtime_failure_exits_1(tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "final").write_text("not a folder")
+    code, _, err = run_cli(
+        capsys, "train", "--output-dir", str(out), *TINY[:-1], "--max-steps", "1"
+    )
+    assert code == 1
+    assert "hf-varlen: error: cannot save the final model to" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("how", ["flag", "env"])
+def test_debug_shows_the_traceback(tmp_path, capsys, monkeypatch, how):
+    argv = ["train", "--output-dir", str(tmp_path), *TINY, "--max-steps", "0"]
+    if how == "flag":
+        argv.append("--debug")
+    else:
+        monkeypatch.setenv("HF_VARLEN_DEBUG", "1")
+    code, _, err = run_cli(capsys, *argv)
+    assert code == 2
+    assert "Traceback (most recent call last)" in err and "hf-varlen: error: --max-steps" in err
+
+
+def test_errors_from_other_libraries_keep_their_type():
+    try:
+        json.loads("{")
+    except ValueError as exc:
+        assert cli._message(exc).startswith("JSONDecodeError: ")
+    from hf_varlen.training import TrainConfig
+
+    try:
+        TrainConfig(epochs=0).validate()
+    except ValueError as exc:
+        assert cli._message(exc) == "--epochs: expected > 0, got 0"
+
+
+def test_help_is_clean_and_parsing_loads_no_training_loop():
+    code = (
+        "import sys, time; t = time.perf_counter(); from hf_varlen import cli; "
+        "cli._train_parser().parse_args(['--max-steps', '3']); "
+        "print(sorted(m for m in ('hf_varlen.training.loop', 'hf_varlen.training.data', "
+        "'hf_varlen.training.model', 'datasets', 'peft') if m in sys.modules))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[]", proc.stdout
+    text = cli._train_parser().format_help()
+    assert "(default: None)" not in text and "GPUs only) (default" not in text
+    assert "--on-nonfinite {stop,skip}" in text and "--overwrite-output-dir" in text
+    assert "--debug" in text
+
+
+# --------------------------------------------------------------------------------------------- #
+# 2. Paths and Hub ids
+
+
+@pytest.mark.parametrize(
+    "text, data, path",
+    [
+        ("Qwen/Qwen2.5-0.5B", False, False),
+        ("gpt2", False, False),
+        ("tatsu-lab/alpaca", True, False),
+        ("./my-model", False, True),
+        ("../shared/data/alpaca/alpaca_500.json", True, True),
+        ("runs/x/final", False, True),
+        ("/abs/model", False, True),
+        ("~/model", False, True),
+        ("data.jsonl", True, True),
+        ("my data", True, True),  # not a valid repo id
+    ],
+)
+def test_what_looks_like_a_path(text, data, path):
+    assert sources.looks_like_path(text, data=data) is path
+
+
+def test_missing_local_path_names_the_closest(tmp_path, capsys, monkeypatch):
+    (tmp_path / "alpaca").mkdir()
+    (tmp_path / "alpaca" / "alpaca_5000.json").write_text("[]")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"no such file or folder; did you mean "):
+        sources.local_or_hub("--dataset", "alpaca/alpaca_500.json", data=True)
+    guess = sources.closest_existing("alpaka/alpaca_5000.json")
+    assert guess == os.path.join("alpaca", "alpaca_5000.json")
+    code, _, err = run_cli(
+        capsys, "train", "--dataset", "alpaca/alpaca_500.json", "--output-dir", "run", *TINY
+    )
+    assert code == 2
+    assert "--dataset 'alpaca/alpaca_500.json': no such file or folder; did you mean" in err
+    assert "alpaca_5000.json" in err and "Traceback" not in err
+
+
+def test_missing_tokenizer_folder_is_not_a_hub_id(tmp_path, capsys):
+    code, _, err = run_cli(
+        capsys, "train", "--tokenizer", str(tmp_path / "tok"), "--output-dir", str(tmp_path), *TINY
+    )
+    assert code == 2 and "--tokenizer" in err and "no such file or folder" in err
+    assert "Repo id" not in err
+
+
+def test_unreachable_hub_fails_fast_once(tmp_path, capsys, monkeypatch):
+    sources.hub_reachable.cache_clear()
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens on the discard port
+    t0 = time.perf_counter()
+    code, _, err = run_cli(
+        capsys, "train", "--model", "no-such-org/no-such-model", "--output-dir", str(tmp_path)
+    )
+    sources.hub_reachable.cache_clear()
+    assert code == 1 and time.perf_counter() - t0 < 60
+    lines = [ln for ln in err.splitlines() if "hf-varlen: error" in ln]
+    assert len(lines) == 1 and "cannot be reached" in lines[0] and "local folder" in lines[0]
+
+
+def test_offline_mode_names_the_missing_cache_entry(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ConnectionError, match=r"HF_HUB_OFFLINE=1 and it is not in the local cache"):
+        sources.hub_access("--model", "no-such-org/no-such-model")
