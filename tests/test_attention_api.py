@@ -181,9 +181,10 @@ def test_deterministic_reaches_triton_backward(monkeypatch, env, arg, want):
 
     monkeypatch.setattr(op, "attention_backward", spy)
     monkeypatch.setenv("FLASH_ATTENTION_DETERMINISTIC", env)
-    q, k, v = make_qkv([5, 7], 2, 1, 16, torch.float32)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter on CPU
+    q, k, v = make_qkv([5, 7], 2, 1, 16, torch.float32, device)
     q.requires_grad_(True)
-    cu = cu_from_lengths([5, 7])
+    cu = cu_from_lengths([5, 7], device)
     op.triton_varlen_attention(q, k, v, cu, cu, deterministic=arg).sum().backward()
     # and through the backend, with the flag as the public layer resolved it
     params = AttentionParams.create(head_dim=16, causal=True, deterministic=want)

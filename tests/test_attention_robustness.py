@@ -14,6 +14,7 @@ from hf_varlen.ops.attention import triton_varlen_attention
 from hf_varlen.reference.attention import attention_reference
 
 CPU_BACKENDS = ["sdpa", "flex", "reference"]
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the triton op: interpreter on CPU
 T = 10
 BAD_OFFSETS = {
     "ends early": [0, 4, 5],
@@ -50,13 +51,13 @@ def test_host_backends_check_max_seqlen(backend):
 def test_triton_bad_offsets_stay_in_bounds(case):
     """q/k/v/grad live inside NaN buffers: any read outside [0, T) would turn up as NaN."""
     h_q, h_kv, d = 4, 2, 16
-    q, k, v, g = make_qkv([T], h_q, h_kv, d, torch.float32, with_grad_out=True)
+    q, k, v, g = make_qkv([T], h_q, h_kv, d, torch.float32, DEVICE, with_grad_out=True)
     views = []
     for t in (q, k, v, g):
-        buf = torch.full((T + 40, t.shape[1], d), float("nan"))
+        buf = torch.full((T + 40, t.shape[1], d), float("nan"), device=DEVICE)
         buf[20 : 20 + T] = t
         views.append(buf[20 : 20 + T].requires_grad_(t is not g))
-    cu = torch.tensor(BAD_OFFSETS[case], dtype=torch.int32)
+    cu = torch.tensor(BAD_OFFSETS[case], dtype=torch.int32, device=DEVICE)
     qv, kv, vv, gv = views
     out = triton_varlen_attention(qv, kv, vv, cu, cu)
     assert out.shape == q.shape and torch.isfinite(out).all()
@@ -88,9 +89,9 @@ def test_empty_pack(backend):
 
 
 def test_empty_pack_triton_op():
-    q = torch.zeros(0, 4, 16, requires_grad=True)
-    kv = torch.zeros(0, 2, 16)
-    cu = torch.zeros(2, dtype=torch.int32)
+    q = torch.zeros(0, 4, 16, device=DEVICE, requires_grad=True)
+    kv = torch.zeros(0, 2, 16, device=DEVICE)
+    cu = torch.zeros(2, dtype=torch.int32, device=DEVICE)
     out = triton_varlen_attention(q, kv, kv, cu, cu)
     assert out.shape == (0, 4, 16)
     out.sum().backward()
@@ -104,7 +105,10 @@ def test_softmax_scale_zero_is_uniform_attention(backend, causal):
     q, k, v = make_qkv(lengths, 4, 2, 16, torch.float32)
     cu = cu_from_lengths(lengths)
     if backend == "triton-op":
-        out = triton_varlen_attention(q, k, v, cu, cu, softmax_scale=0.0, causal=causal)
+        out = triton_varlen_attention(
+            q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), cu.to(DEVICE), cu.to(DEVICE),
+            softmax_scale=0.0, causal=causal,
+        ).cpu()  # fmt: skip
     else:
         out = hf_varlen.varlen_attention(
             q, k, v, cu, cu, 7, 7, softmax_scale=0.0, causal=causal, backend=backend
