@@ -31,6 +31,7 @@ from .packing import (
     PackingResult,
     PackingStats,
     TokenBudgetBatchSampler,
+    bucket_ladder,
     pack_by_tokens,
 )
 
@@ -52,6 +53,7 @@ __all__ = [
     "PackingStats",
     "TokenBudgetBatchSampler",
     "ExampleCountBatchSampler",
+    "bucket_ladder",
     "pack_by_tokens",
     "available_backends",
     "default_backend",

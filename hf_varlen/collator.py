@@ -30,12 +30,29 @@ always >= the longest segment, as varlen kernels require. With padding, a batch 
 can still run a zero-label step; without padding it is a ``ValueError`` (a ``[1, 0]`` row cannot
 run through a model).
 
+Static shapes (CUDA graphs, ``torch.compile`` without recompiles). ``pad_to_buckets=ladder``
+pads to the first bucket ``>= T_real`` instead (``P = bucket - T_real``, the smallest bucket when
+``T_real == 0``; a batch longer than the largest bucket is a ``ValueError``), so a run sees only
+the ladder's lengths (``hf_varlen.bucket_ladder``: < 5 % extra tokens on alpaca). ``max_documents
+= M`` fixes ``cu_seq_lens`` at ``M + 1`` entries, ``M + 2`` with padding (one slot for the pad
+segment, present with ``P = 0`` too): the slots after the last segment repeat the total ``T``,
+i.e. zero-length documents, which every backend skips. A batch of more than ``M`` documents is a
+``ValueError`` naming ``max_documents`` (never truncated); ``TokenBudgetBatchSampler(...,
+max_documents=M)`` builds no such batch. Worked example: lengths 5, 3, 7, buckets (16, 24),
+``M = 4`` -> ``T = 16``, ``cu_seq_lens [0, 5, 8, 15, 16, 16]``, ``max_length 7``.
+
+Real tokens: ``T - P`` (``real_tokens`` with ``return_real_tokens=True``). Pad tokens have
+labels -100, so a loss normalised by the label count (``num_items_in_batch``) and its gradients
+are those of the unpadded batch; count tokens/s and MFU from real tokens, not ``input_ids.numel()``.
+
 Shape legend: T = total tokens (real + pad), S = segments (documents, + 1 when padded).
 
     input_ids, labels, position_ids : [1, T] int64
     seq_idx                         : [1, T] int32
-    cu_seq_lens_q, cu_seq_lens_k    : [S + 1] int32 (equal values, separate tensors)
+    cu_seq_lens_q, cu_seq_lens_k    : [S + 1] int32 (equal values, separate tensors); with
+                                      max_documents, S = max_documents (+ 1 with padding)
     max_length_q, max_length_k      : Python int
+    real_tokens                     : Python int (only with return_real_tokens)
 
 Counters. A collator is called once per batch and must not add keys that a model would receive as
 unexpected kwargs, so what it drops is counted on the instance: ``num_skipped_empty``,
@@ -45,6 +62,7 @@ worker updates its own copy; ``hf_varlen.pack_by_tokens`` reports the same count
 
 from __future__ import annotations
 
+import bisect
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass, field
@@ -56,6 +74,7 @@ import torch
 from transformers.data.data_collator import DefaultDataCollator
 
 from .ops.common import IGNORE_INDEX, check_int
+from .packing import bucket_ladder
 
 __all__ = ["PackingCollator"]
 
@@ -126,6 +145,24 @@ def _column_rows(column: Any, label: str) -> Sequence[Any]:
     )
 
 
+def _check_buckets(buckets: Any) -> tuple[int, ...]:
+    """``pad_to_buckets`` -> ascending tuple of distinct ints >= 1 (an int N: bucket_ladder(N))."""
+    if isinstance(buckets, Integral) and not isinstance(buckets, bool):
+        return bucket_ladder(check_int("pad_to_buckets", buckets, 1))
+    if isinstance(buckets, (str, bytes)) or not isinstance(buckets, (Sequence, np.ndarray)):
+        raise TypeError(
+            "pad_to_buckets: expected a sequence of token counts or an int token budget, got "
+            f"{type(buckets).__name__}"
+        )
+    values = [check_int(f"pad_to_buckets[{i}]", b, 1) for i, b in enumerate(buckets)]
+    if not values:
+        raise ValueError("pad_to_buckets: expected at least one bucket, got an empty sequence")
+    if len(set(values)) != len(values):
+        twice = sorted({b for b in values if values.count(b) > 1})
+        raise ValueError(f"pad_to_buckets: expected distinct buckets, got {twice} more than once")
+    return tuple(sorted(values))
+
+
 @dataclass
 class PackingCollator(DefaultDataCollator):
     """Flatten a batch of examples into one packed ``[1, T]`` row with varlen attention metadata.
@@ -146,7 +183,18 @@ class PackingCollator(DefaultDataCollator):
             ``padding_idx + 1``).
         pad_to_multiple_of: pad the tail to a multiple of this many tokens as one separate segment
             (see the module docstring). ``None``: no padding.
-        pad_token_id: input id of pad tokens (only used with ``pad_to_multiple_of``).
+        pad_to_buckets: pad the tail to the first of these lengths that holds the batch (one
+            separate segment, as ``pad_to_multiple_of``, which it replaces): a sequence of
+            distinct ints (any order), or an int ``N`` for ``bucket_ladder(N)``, the default
+            ladder up to a token budget ``N``. ``None``: no buckets.
+        max_documents: ``cu_seq_lens`` gets a fixed ``max_documents + 1`` entries (``+ 2`` with
+            padding), unused ones zero-length documents; more documents raise ``ValueError``.
+            ``None``: one entry per segment.
+        return_real_tokens: also return ``real_tokens`` (a Python int: tokens that are
+            not padding). Off by default because a model called with ``**batch`` would receive
+            it; pop it before the forward.
+        pad_token_id: input id of pad tokens (only used with ``pad_to_multiple_of`` /
+            ``pad_to_buckets``).
         max_length: truncate each example (and its labels) to this many tokens. ``None``: keep all.
             With ``TokenBudgetBatchSampler`` / ``pack_by_tokens`` use ``max_length=max_tokens``, so
             the examples they count as ``max_tokens`` long are cut to exactly that.
@@ -169,13 +217,15 @@ class PackingCollator(DefaultDataCollator):
         - Empty examples are dropped and counted in ``num_skipped_empty`` (transformers gives each
           an extra label with no token, so ``labels`` no longer lines up with ``input_ids``).
         - A batch with no token at all raises ``ValueError`` (transformers returns a ``[1, 0]``
-          row that fails deep inside the model), unless ``pad_to_multiple_of`` is set.
+          row that fails deep inside the model), unless ``pad_to_multiple_of`` or
+          ``pad_to_buckets`` is set.
         - ``attention_mask == 0`` tokens are padding and are dropped (transformers packs them as
           real tokens); a mapping of columns or a 2-D tensor is accepted (transformers needs a
           list of mappings).
         - Features are validated: integer ids, 1-D, labels as long as input_ids, labels for all
           examples or none; a bad one raises naming it.
-        - Extras, off by default: ``pad_to_multiple_of`` / ``pad_token_id`` and ``max_length``.
+        - Extras, off by default: ``pad_to_multiple_of`` / ``pad_to_buckets`` / ``pad_token_id``,
+          ``max_documents``, ``return_real_tokens`` and ``max_length``.
 
     Example:
         >>> collator = PackingCollator()
@@ -189,6 +239,9 @@ class PackingCollator(DefaultDataCollator):
         tensor([[1, 2, 3, 4, 5]])
         >>> PackingCollator("np", pad_to_multiple_of=4)(padded)["cu_seq_lens_q"]
         array([0, 3, 5, 8], dtype=int32)
+        >>> static = PackingCollator(pad_to_buckets=(4, 8), max_documents=3)(padded)
+        >>> static["input_ids"].shape, static["cu_seq_lens_q"]
+        (torch.Size([1, 8]), tensor([0, 3, 5, 8, 8], dtype=torch.int32))
     """
 
     # ``return_tensors: str = "pt"`` is DefaultDataCollator's field: the one positional argument.
@@ -201,6 +254,9 @@ class PackingCollator(DefaultDataCollator):
     pad_to_multiple_of: int | None = None
     pad_token_id: int = 0
     max_length: int | None = None
+    pad_to_buckets: Sequence[int] | int | None = None
+    max_documents: int | None = None
+    return_real_tokens: bool = False
     num_skipped_empty: int = field(default=0, init=False, repr=False, compare=False)
     num_truncated: int = field(default=0, init=False, repr=False, compare=False)
     num_truncated_tokens: int = field(default=0, init=False, repr=False, compare=False)
@@ -217,6 +273,15 @@ class PackingCollator(DefaultDataCollator):
         self.return_position_ids = bool(self.return_position_ids)
         self.return_flash_attn_kwargs = bool(self.return_flash_attn_kwargs)
         self.return_seq_idx = bool(self.return_seq_idx)
+        self.return_real_tokens = bool(self.return_real_tokens)
+        self.max_documents = check_int("max_documents", self.max_documents, 1, allow_none=True)
+        if self.pad_to_buckets is not None:
+            if self.pad_to_multiple_of is not None:
+                raise ValueError(
+                    "pad_to_buckets and pad_to_multiple_of both set the padded length; give one "
+                    "of them (a ladder of multiples: bucket_ladder(N, steps_per_doubling=None))"
+                )
+            self.pad_to_buckets = _check_buckets(self.pad_to_buckets)
 
     @staticmethod
     def _check_return_tensors(return_tensors: Any) -> None:
@@ -331,21 +396,49 @@ class PackingCollator(DefaultDataCollator):
         separator_id = check_int("separator_id", separator_id, minimum=None)
 
         docs = self._documents(features)
-        if not docs and self.pad_to_multiple_of is None:
+        n_docs = len(docs)
+        padding = self.pad_to_multiple_of is not None or self.pad_to_buckets is not None
+        if not docs and not padding:
             raise ValueError(
                 "features: the batch has no token to pack (no example, or only empty ones); a "
                 "[1, 0] row cannot run through a model. Drop empty examples before batching, or "
-                "set pad_to_multiple_of to turn such a batch into one all-padding row with no "
-                "label (a zero-loss step, e.g. for a data-parallel rank without data)"
+                "set pad_to_multiple_of / pad_to_buckets to turn such a batch into one all-padding "
+                "row with no label (a zero-loss step, e.g. for a data-parallel rank without data)"
             )
-        lengths = np.fromiter((ids.shape[0] for ids, _ in docs), dtype=np.int64, count=len(docs))
+        if self.max_documents is not None and n_docs > self.max_documents:
+            raise ValueError(
+                f"features: the batch has {n_docs} documents (non-empty examples), more than "
+                f"max_documents={self.max_documents}, the fixed number of cu_seq_lens slots; a "
+                "document is never dropped. Raise max_documents (e.g. to the batch sampler's "
+                "max_documents attribute) or build the batches with "
+                f"TokenBudgetBatchSampler(..., max_documents={self.max_documents}), which splits "
+                "them"
+            )
+        lengths = np.fromiter((ids.shape[0] for ids, _ in docs), dtype=np.int64, count=n_docs)
         real = int(lengths.sum())
         pad = 0
         if self.pad_to_multiple_of is not None:
             pad = -real % self.pad_to_multiple_of
             if real == 0:
                 pad = self.pad_to_multiple_of
-        seg_lengths = np.append(lengths, pad) if pad else lengths
+        elif self.pad_to_buckets is not None:
+            buckets = self.pad_to_buckets
+            j = bisect.bisect_left(buckets, max(real, 1))
+            if j == len(buckets):
+                raise ValueError(
+                    f"features: the batch packs {real} tokens, more than the largest bucket "
+                    f"{buckets[-1]} of pad_to_buckets; end the ladder at the batch sampler's token "
+                    "budget (pad_to_buckets=max_tokens, i.e. bucket_ladder(max_tokens)) or cut "
+                    "examples with max_length"
+                )
+            pad = buckets[j] - real
+        if self.max_documents is None:
+            seg_lengths = np.append(lengths, pad) if pad else lengths
+        else:  # fixed slots: documents, the pad segment (even when P = 0), zero-length rest
+            seg_lengths = np.zeros(self.max_documents + padding, dtype=np.int64)
+            seg_lengths[:n_docs] = lengths
+            if padding:
+                seg_lengths[n_docs] = pad
         starts = np.zeros(len(seg_lengths), dtype=np.int64)
         np.cumsum(seg_lengths[:-1], out=starts[1:])
         total = real + pad
@@ -359,7 +452,7 @@ class PackingCollator(DefaultDataCollator):
             labels[:real] = (
                 input_ids[:real] if docs[0][1] is None else np.concatenate([lab for _, lab in docs])
             )
-            labels[starts[: len(docs)]] = separator_id
+            labels[starts[:n_docs]] = separator_id
 
         batch: dict[str, Any] = {"input_ids": input_ids[None], "labels": labels[None]}
         if self.return_position_ids:
@@ -374,6 +467,8 @@ class PackingCollator(DefaultDataCollator):
             batch["cu_seq_lens_q"] = cu
             batch["cu_seq_lens_k"] = cu.copy()
             batch["max_length_q"] = batch["max_length_k"] = int(seg_lengths.max())
+        if self.return_real_tokens:
+            batch["real_tokens"] = real
 
         if return_tensors == "pt":
             batch = {
