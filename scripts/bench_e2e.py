@@ -147,6 +147,7 @@ def train_config(run: dict, device: str):
         precision=run["precision"],
         seed=run["seed"],
         output_dir=run["run_dir"],
+        overwrite_output_dir=True,  # a benchmark re-run replaces its earlier runs
         save_final=False,
         progress=False,
         peak_tflops=run["peak_tflops"],

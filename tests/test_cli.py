@@ -196,3 +196,49 @@ def test_offline_mode_names_the_missing_cache_entry(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ConnectionError, match=r"HF_HUB_OFFLINE=1 and it is not in the local cache"):
         sources.hub_access("--model", "no-such-org/no-such-model")
+
+
+# --------------------------------------------------------------------------------------------- #
+# 4. Summary and log wording
+
+
+def test_summary_wording(tmp_path, capsys):
+    code, out, _ = run_cli(
+        capsys, "train", "--output-dir", str(tmp_path), *TINY, "--max-steps", "2"
+    )
+    assert code == 0
+    assert "built-in synthetic instructions" in out and "builtin (alpaca)" not in out
+    assert "threads)" not in out
+    assert "real (packing efficiency)" in out and "padded to their longest example" in out
+
+
+def test_kernel_report_names_reasons_not_python_objects():
+    from types import SimpleNamespace
+
+    from hf_varlen.training.model import _kernels_text
+
+    why = "the Triton kernels cannot run on device type 'cpu'; pass device='cuda' when ..."
+    report = SimpleNamespace(
+        path="kernels",
+        counts={"rmsnorm": 0, "cross_entropy": 1},
+        left_alone={f"model.layers.{i}.mlp": why for i in range(3)},
+    )
+    text = _kernels_text(report)
+    assert text == (
+        "hf_varlen.kernelize [kernels]: replaced cross_entropy x1; left 3 modules alone: "
+        "the Triton kernels cannot run on device type 'cpu'"
+    )
+
+
+def test_one_definition_of_padding_for_packed_and_padded(tmp_path):
+    from hf_varlen.training import PackedTrainer, TrainConfig
+
+    common = dict(builtin_examples=48, max_length=256, batch_size=6, max_steps=3)
+    common.update(progress=False, save_final=False)
+    packed = PackedTrainer(TrainConfig(output_dir=str(tmp_path / "a"), **common)).run()
+    padded = PackedTrainer(TrainConfig(output_dir=str(tmp_path / "b"), padded=True, **common)).run()
+    assert packed["packing_efficiency"] == 1.0
+    # what the packed run says padding would cost is what the padded run computed
+    assert packed["padded_efficiency"] == pytest.approx(padded["packing_efficiency"])
+    assert padded["padded_efficiency"] == pytest.approx(padded["packing_efficiency"])
+    assert packed["padded_efficiency"] < 1.0

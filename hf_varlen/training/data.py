@@ -433,6 +433,7 @@ class MicroBatch:
     label_tokens: int  # targets that count in the loss (shifted labels != -100)
     attn_sq: int  # sum over documents of L^2 (attention work)
     dummy: bool = False
+    padded_tokens: int = 0  # B * L_max: the same examples padded to their longest
 
 
 class Batcher:
@@ -462,7 +463,10 @@ class Batcher:
         else:
             inputs = self.collator(feats)
             count = int((inputs["labels"] != IGNORE_INDEX).sum())
-        return MicroBatch(inputs, real, inputs["input_ids"].numel(), count, attn_sq)
+        padded = len(indices) * int(lengths.max())
+        return MicroBatch(
+            inputs, real, inputs["input_ids"].numel(), count, attn_sq, padded_tokens=padded
+        )
 
     def _pad(self, feats: list[dict[str, np.ndarray]]) -> dict[str, torch.Tensor]:
         width = max(len(f["input_ids"]) for f in feats)

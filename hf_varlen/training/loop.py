@@ -372,6 +372,7 @@ class PackedTrainer:
                 sum(b.label_tokens for b in real),
                 sum(b.attn_sq for b in real),
                 len(real) * self.cfg.token_budget,
+                sum(b.padded_tokens for b in real),
             ]
         )
         gn = float(grad_norm) if grad_norm is not None else math.nan
@@ -394,6 +395,7 @@ class PackedTrainer:
             "label_tokens": int(totals[3]),
             "attn_sq": totals[4],
             "budget_tokens": int(totals[5]),
+            "padded_tokens": int(totals[6]),
             "micro_batches": len(group),
             "step_time": time.perf_counter() - t0,
         }
@@ -419,9 +421,12 @@ class PackedTrainer:
 
     def run(self) -> dict[str, Any]:
         cfg, st = self.cfg, self.state
+        stats = self.sampler.stats
         self._log(
-            f"{len(self.train_ex)} train examples ({self.sampler.stats}); {self.total_steps} steps "
-            f"of {cfg.grad_accum} x {self.acc.num_processes} micro-batches; kernels {self.kernels}"
+            f"{len(self.train_ex)} train examples in {len(self.sampler)} micro-batches per rank "
+            f"and epoch ({stats.real_tokens / max(stats.padded_tokens, 1):.1%} real tokens if "
+            f"padded to the longest example of each); {self.total_steps} steps of "
+            f"{cfg.grad_accum} x {self.acc.num_processes} micro-batches; kernels: {self.kernels}"
         )
         run_log = RunLogger(
             cfg.output_dir,
@@ -493,8 +498,13 @@ class PackedTrainer:
 
     def _finish(self, run_log: RunLogger, evals: list[dict[str, Any]]) -> dict[str, Any]:
         cfg = self.cfg
+        source = (
+            "built-in synthetic instructions"
+            if cfg.dataset == "builtin"
+            else f"{cfg.dataset} ({self.format})"
+        )
         data = (
-            f"{cfg.dataset} ({self.format}), {len(self.train_ex)} train / "
+            f"{source}, {len(self.train_ex)} train / "
             f"{len(self.eval_ex) if self.eval_ex else 0} eval examples, max_length "
             f"{cfg.max_length}, "
             + (

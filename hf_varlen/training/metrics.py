@@ -1,12 +1,14 @@
 """Run metrics: per-step records, the progress bar, the JSONL log, the summary, MFU and plots.
 
 Per optimizer step (global over ranks; ``real`` = tokens of real examples, ``held`` = tokens the
-input tensors hold, i.e. with padding, ``budget`` = real micro-batches x the token budget, i.e.
---tokens-per-batch or batch_size x max_length):
+input tensors hold, i.e. the tokens computed, padding included; ``padded`` = sum over micro-batches
+of B x L_max, what the same examples hold padded to their longest; ``budget`` = real micro-batches
+x the token budget, i.e. --tokens-per-batch or batch_size x max_length). One definition each:
 
     tokens_per_s        = real / step wall-clock
-    packing_efficiency  = real / held      (1.0 for unpadded packs; the padded share otherwise)
-    budget_fill         = real / budget    (how full the packs are)
+    packing_efficiency  = real / held      (1.0 for packed rows; the real share of --padded batches)
+    padded_efficiency   = real / padded    (the real share had these micro-batches been padded)
+    budget_fill         = real / budget    (how full the micro-batches are)
     model_flops         = flops_per_token * real + 6 * layers * (H_q * D) * sum_docs L^2
     mfu                 = model_flops / step time / (peak FLOP/s per device * processes)
 
@@ -88,7 +90,8 @@ def environment(device: torch.device) -> dict[str, str]:
     if device.type == "cuda":
         hardware = torch.cuda.get_device_name(device)
     else:
-        hardware = f"CPU ({torch.get_num_threads()} threads)"
+        threads = torch.get_num_threads()
+        hardware = f"CPU, {threads} thread{'s' if threads != 1 else ''}"
     try:
         commit = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],
@@ -155,6 +158,7 @@ class RunLogger:
         )
         r["tokens_per_s"] = r["real_tokens"] / dt
         r["packing_efficiency"] = r["real_tokens"] / max(r["tensor_tokens"], 1)
+        r["padded_efficiency"] = r["real_tokens"] / max(r["padded_tokens"], 1)
         r["budget_fill"] = r["real_tokens"] / max(r["budget_tokens"], 1)
         r["tflops_per_s"] = flops / dt / 1e12
         r["mfu"] = flops / dt / self.peak_total if self.peak_total else None
@@ -235,6 +239,7 @@ def summarize(records: list[dict[str, Any]], evals: list[dict[str, Any]], **info
     mfus = [r["mfu"] for r in steady if r.get("mfu") is not None]
     held = sum(r["tensor_tokens"] for r in records)
     budget = sum(r["budget_tokens"] for r in records)
+    padded = sum(r.get("padded_tokens", 0) for r in records)
     real = sum(r["real_tokens"] for r in records)
     updated = [r for r in records if not r.get("skipped")]  # skipped steps have no finite loss
     head = [r["loss"] for r in updated[: max(1, len(updated) // 10)]]
@@ -251,6 +256,7 @@ def summarize(records: list[dict[str, Any]], evals: list[dict[str, Any]], **info
         "eval_loss": evals[-1]["eval_loss"] if evals else None,
         "tokens_per_s": tokens / seconds if seconds else 0.0,
         "packing_efficiency": real / held if held else 0.0,
+        "padded_efficiency": real / padded if padded else 0.0,
         "budget_fill": real / budget if budget else 0.0,
         "peak_mem_gib": max((r["peak_mem_gib"] for r in records), default=0.0),
         "mfu": sum(mfus) / len(mfus) if mfus else None,
@@ -282,9 +288,12 @@ def format_summary(s: dict[str, Any]) -> str:
         + (f", {s['skipped_steps']} steps skipped (non-finite)" if s.get("skipped_steps") else ""),
         f"  loss        {s['loss_first']:.4f} -> {s['loss_last']:.4f} (mean of first/last 10%: "
         f"{s['loss_first_10pct']:.4f} -> {s['loss_last_10pct']:.4f}){eval_part}",
-        f"  throughput  {s['tokens_per_s']:,.0f} tokens/s (after step 1), packing efficiency "
-        f"{s['packing_efficiency']:.1%}, budget fill {s['budget_fill']:.1%}, "
+        f"  throughput  {s['tokens_per_s']:,.0f} tokens/s (after step 1), "
         f"{s['tflops_per_s']:.2f} model TFLOP/s, {mfu}",
+        f"  tokens      {s['packing_efficiency']:.1%} of the tokens computed were real (packing "
+        f"efficiency); padded to their longest example the same micro-batches would be "
+        f"{s.get('padded_efficiency', 0.0):.1%} real; micro-batches {s['budget_fill']:.1%} full "
+        "(budget fill)",
         f"  memory      peak {s['peak_mem_gib']:.2f} GiB ({mem_kind})",
     ]
     if s.get("output_dir"):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import Counter
 from typing import Any
 
 import torch
@@ -216,8 +217,24 @@ def apply_kernels(model, cfg: TrainConfig, device: torch.device) -> tuple[str, b
     report = kernelize(
         model, rope=layers, glu=layers, rmsnorm=layers, cross_entropy=loss, device=device.type
     )
-    text = str(report) if layers else f"layer kernels off (--fused-kernels); {report}"
+    text = _kernels_text(report)
+    text = text if layers else f"layer kernels off (--fused-kernels); {text}"
     return text, report.installed("cross_entropy")
+
+
+def _kernels_text(report) -> str:
+    """The kernelize report for a CLI user: what ran fused, and why the rest did not (the
+    reasons themselves, not a pointer at ``report.left_alone``)."""
+    done = ", ".join(f"{k} x{n}" for k, n in report.counts.items() if n) or "nothing"
+    text = f"hf_varlen.kernelize [{report.path}]: replaced {done}"
+    if report.left_alone:
+        # kernelize's reasons end in hints for its Python caller ("; pass device=..."), which a
+        # CLI user cannot act on: keep the reason itself.
+        reasons = Counter(r.split("; pass ")[0] for r in report.left_alone.values()).most_common()
+        why = "; ".join(f"{r} (x{n})" if len(reasons) > 1 else r for r, n in reasons[:2])
+        more = f"; and {len(reasons) - 2} other reasons" if len(reasons) > 2 else ""
+        text += f"; left {len(report.left_alone)} modules alone: {why}{more}"
+    return text
 
 
 def apply_lora(model, cfg: TrainConfig):
