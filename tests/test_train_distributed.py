@@ -46,12 +46,21 @@ def _free_port() -> int:
 
 
 def _run(tmp_path: Path, name: str, processes: int, grad_accum: int) -> Path:
+    proc = _launch(tmp_path, name, processes, grad_accum)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert f"on {processes} x cpu" in proc.stdout, proc.stdout[-2000:]
+    return tmp_path / name
+
+
+def _launch(
+    tmp_path: Path, name: str, processes: int, grad_accum: int, *extra: str, steps: int = 5
+) -> subprocess.CompletedProcess:
     out = tmp_path / name
     flags = (
         f"--tokens-per-batch {BUDGET} --max-length {BUDGET} --grad-accum {grad_accum} "
-        "--max-steps 5 --no-shuffle --optim sgd --lr 0.05 --lr-schedule constant "
+        f"--max-steps {steps} --no-shuffle --optim sgd --lr 0.05 --lr-schedule constant "
         "--max-grad-norm 0 --eval-every 2 --no-progress"
-    ).split()
+    ).split() + list(extra)
     data = [
         "--dataset",
         str(tmp_path / "train.json"),
@@ -75,10 +84,7 @@ def _run(tmp_path: Path, name: str, processes: int, grad_accum: int) -> Path:
             *train,
         ]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    assert f"on {processes} x cpu" in proc.stdout, proc.stdout[-2000:]
-    return out
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
 def _log(run: Path):
@@ -120,3 +126,36 @@ def test_two_processes_equal_one(tmp_path):
     assert w1.keys() == w2.keys()
     for k in w1:
         torch.testing.assert_close(w2[k], w1[k], rtol=1e-5, atol=1e-7)
+
+
+def test_two_process_checkpoints_are_atomic_and_validated_per_rank(tmp_path):
+    """Every rank's random states are in the manifest; a missing one is named at resume
+    unless --resume-without-rng; then --resume latest continues on both ranks."""
+    (tmp_path / "train.json").write_text(json.dumps(_texts(TRAIN_LENGTHS)))
+    (tmp_path / "eval.json").write_text(json.dumps(_texts(EVAL_LENGTHS)))
+    proc = _launch(tmp_path, "ck", 2, 1, "--save-every", "2", steps=4)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    run = tmp_path / "ck"
+    assert sorted(p.name for p in run.iterdir() if "checkpoint" in p.name) == [
+        "checkpoint-2",
+        "checkpoint-4",
+    ]
+    files = json.loads((run / "checkpoint-4" / "trainer_state.json").read_text())["files"]
+    assert {"random_states_0.pkl", "random_states_1.pkl"} <= set(files)
+
+    (run / "checkpoint-4" / "random_states_1.pkl").unlink()
+    proc = _launch(tmp_path, "ck", 2, 1, "--resume", str(run / "checkpoint-4"), steps=6)
+    assert proc.returncode != 0, proc.stderr[-3000:]  # each rank exits 2; torchrun reports 1
+    assert "exitcode  : 2" in proc.stderr
+    assert "random_states_1.pkl is missing" in proc.stderr and "--resume-without-rng" in proc.stderr
+    for rank in (0, 1):  # one line per rank (the launcher adds its own traceback)
+        assert f"hf-varlen: error (rank {rank}): --resume" in proc.stderr, proc.stderr[-3000:]
+
+    # latest is checkpoint-4 still (it lacks only random states: not skipped for an older one)
+    flags = ("--resume", "latest", "--resume-without-rng", "--save-every", "2")
+    proc = _launch(tmp_path, "ck", 2, 1, *flags, steps=6)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    assert "resumed from" in proc.stderr and "checkpoint-4 at step 4" in proc.stderr
+    assert "fresh random states" in proc.stderr
+    steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").open() if '"loss"' in x]
+    assert steps == [1, 2, 3, 4, 5, 6]
