@@ -1,0 +1,23 @@
+"""The one ``torch.library`` namespace of hf_varlen's ops (torch only; no triton import).
+
+``NAMESPACE`` is the top-level package name: ``"hf_varlen"`` (ops are ``torch.ops.hf_varlen.*``),
+or, in the generated kernel-hub copy of ``ops/``, that copy's own versioned package name, so the two
+copies never register the same op name (torch would destroy the first library's ops).
+``qualname(name)``: ``"<NAMESPACE>::<name>"``.
+``compiling()``: True while torch.compile / export traces. The public op functions call the
+registered ops only then; eager calls go straight to the autograd.Function (see each op module).
+"""
+
+from __future__ import annotations
+
+import torch
+
+NAMESPACE = __name__.split(".")[0].lstrip("_") or "hf_varlen"
+
+
+def qualname(name: str) -> str:
+    return f"{NAMESPACE}::{name}"
+
+
+def compiling() -> bool:
+    return torch.compiler.is_compiling()
