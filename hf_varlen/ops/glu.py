@@ -27,6 +27,13 @@ fused (..., 2F) projection is read in place. Outputs and gradients are fresh con
 Kernels: a flat grid of (row, column block) programs, column blocks fastest so consecutive
 programs stream consecutive memory. Offsets are int32 unless some tensor's last element lies past
 2^31 (``LONG_INDEXING``, decided on the host), so ordinary sizes keep the cheap path.
+
+Dispatch: ``torch.ops.hf_varlen.glu_fwd`` / ``glu_bwd`` are the registered ops (``triton_op`` on a
+GPU, so Inductor traces the launches; autograd through ``register_autograd``). ``swiglu``/``geglu``
+call them only while torch.compile traces (``library.compiling()``); eager calls use the
+``autograd.Function`` directly, because a registered op's dispatch costs ~20 us more host time per
+call (measured on CPU, torch 2.13: 28 us vs 8 us for a tiny tensor with autograd recording) and
+the eager step is host-bound at the batch sizes users run. Both paths launch the same kernels.
 """
 
 from __future__ import annotations
@@ -35,10 +42,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_common import INT32_LIMIT, round_to
+from ._triton_common import INT32_LIMIT, kernel_op, launcher, round_to
 from ._triton_common import INTERPRET as _INTERPRET
 from ._triton_common import as_rows as _rows
 from ._triton_common import rows_need_int64 as _needs_long_indexing
+from .library import compiling
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
@@ -189,11 +197,12 @@ def glu_forward(
     long_indexing: bool | None = None,
     block: int | None = None,
     num_warps: int | None = None,
+    traced: bool = False,
 ) -> torch.Tensor:
     """out = round(act(gate)) * up as a fresh contiguous tensor of gate's shape.
 
     ``long_indexing``/``block``/``num_warps`` are private overrides for tests and benchmarks
-    (None = chosen from the shapes).
+    (None = chosen from the shapes); ``traced``: launch through ``launcher`` (inside the op).
     """
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     if out.numel() == 0:
@@ -204,7 +213,8 @@ def glu_forward(
     if long_indexing is None:
         strides = [g2.stride(0), u2.stride(0), o2.stride(0)]
         long_indexing = _needs_long_indexing(n_rows, n_col_blocks * block, strides)
-    _glu_fwd_kernel[(n_rows * n_col_blocks,)](
+    kernel = launcher(_glu_fwd_kernel, gate) if traced else _glu_fwd_kernel
+    kernel[(n_rows * n_col_blocks,)](
         g2,
         u2,
         o2,
@@ -230,6 +240,7 @@ def glu_backward(
     long_indexing: bool | None = None,
     block: int | None = None,
     num_warps: int | None = None,
+    traced: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(d_gate, d_up) as fresh contiguous tensors; the inputs are only read."""
     dgate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
@@ -242,7 +253,8 @@ def glu_backward(
     if long_indexing is None:
         strides = [do2.stride(0), g2.stride(0), u2.stride(0), n_cols]
         long_indexing = _needs_long_indexing(n_rows, n_col_blocks * block, strides)
-    _glu_bwd_kernel[(n_rows * n_col_blocks,)](
+    kernel = launcher(_glu_bwd_kernel, gate) if traced else _glu_bwd_kernel
+    kernel[(n_rows * n_col_blocks,)](
         do2,
         g2,
         u2,
@@ -286,6 +298,45 @@ class _GLUFunction(torch.autograd.Function):
         )
 
 
+# The registered ops (what torch.compile sees). Same kernels, same autograd contract.
+@kernel_op("glu_fwd")
+def _glu_fwd_op(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    return glu_forward(gate, up, activation, traced=True)
+
+
+@kernel_op("glu_bwd")
+def _glu_bwd_op(
+    dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return glu_backward(dout, gate, up, activation, traced=True)
+
+
+def _glu_setup_context(ctx, inputs, output) -> None:
+    gate, up, ctx.activation = inputs
+    ctx.save_for_backward(gate, up)
+
+
+def _glu_op_backward(ctx, dout):
+    gate, up = ctx.saved_tensors
+    if not (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]):
+        return None, None, None
+    dgate, dup = _glu_bwd_op(dout, gate, up, ctx.activation)
+    return (
+        dgate if ctx.needs_input_grad[0] else None,
+        dup if ctx.needs_input_grad[1] else None,
+        None,
+    )
+
+
+_glu_fwd_op.register_autograd(_glu_op_backward, setup_context=_glu_setup_context)
+
+
+def _glu(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    if compiling():
+        return _glu_fwd_op(gate, up, activation)
+    return _GLUFunction.apply(gate, up, activation)
+
+
 def _check_inputs(fn: str, gate, up) -> None:
     for name, t in (("gate", gate), ("up", up)):
         if not isinstance(t, torch.Tensor):
@@ -327,7 +378,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         returns fresh gradient tensors.
     """
     _check_inputs("swiglu", gate, up)
-    return _GLUFunction.apply(gate, up, "silu")
+    return _glu(gate, up, "silu")
 
 
 def geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str = "none") -> torch.Tensor:
@@ -341,4 +392,4 @@ def geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str = "none") -> to
     if approximate not in ("none", "tanh"):
         raise ValueError(f"geglu: approximate must be 'none' or 'tanh', got {approximate!r}")
     _check_inputs("geglu", gate, up)
-    return _GLUFunction.apply(gate, up, "gelu" if approximate == "none" else "gelu_tanh")
+    return _glu(gate, up, "gelu" if approximate == "none" else "gelu_tanh")

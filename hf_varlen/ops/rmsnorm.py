@@ -18,6 +18,15 @@ dweight is reduced across rows in fp32: each of a few persistent programs accumu
 registers and writes one fp32 partial row; the partial rows are summed on the host side.
 
 Offsets are int32 unless a row offset can pass 2^31 (``LONG_INDEXING``, decided on the host).
+
+Dispatch: ``torch.ops.hf_varlen.rms_norm_fwd`` / ``rms_norm_bwd`` are the registered ops
+(``triton_op`` on a GPU, so Inductor traces the launches; autograd via ``register_autograd``).
+``rms_norm`` calls them only while torch.compile traces (``library.compiling()``); eager calls use
+the ``autograd.Function`` directly: a registered op's dispatch costs ~20 us more host time per call
+(CPU, torch 2.13, tiny tensor, autograd recording: 28 us vs 8 us), and the eager step is
+host-bound at the batch sizes users run. Both paths launch the same kernels. ``eps`` is cast to
+fp32 in the kernel: Inductor passes Python floats to user kernels as fp64, which would promote the
+row's arithmetic.
 """
 
 from __future__ import annotations
@@ -28,8 +37,9 @@ import triton.language as tl
 
 from ._triton_common import INTERPRET as _INTERPRET
 from ._triton_common import as_rows as _rows
-from ._triton_common import round_to
+from ._triton_common import kernel_op, launcher, round_to
 from ._triton_common import rows_need_int64 as _needs_long_indexing
+from .library import compiling
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_HIDDEN = 65536  # one row lives in registers
@@ -63,7 +73,7 @@ def _rms_norm_fwd_kernel(
 
     b_x = tl.load(X + row * stride_x_row + o_col, mask=m_col, other=0.0).to(tl.float32)
     b_w = tl.load(W + o_col, mask=m_col, other=0.0).to(tl.float32)
-    rstd = tl.math.rsqrt(tl.sum(b_x * b_x, axis=0) / n_cols + eps)
+    rstd = tl.math.rsqrt(tl.sum(b_x * b_x, axis=0) / n_cols + tl.cast(eps, tl.float32))
     tl.store(RSTD + row, rstd)
     b_n = b_x * rstd
     if ADD_UNIT_OFFSET:
@@ -172,10 +182,12 @@ def rms_norm_forward(
     *,
     long_indexing: bool | None = None,
     num_warps: int | None = None,
+    traced: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, rstd): y a fresh contiguous tensor of x's shape, rstd (rows,) fp32.
 
-    ``long_indexing``/``num_warps`` are private overrides for tests and benchmarks.
+    ``long_indexing``/``num_warps`` are private overrides for tests and benchmarks; ``traced``:
+    launch through ``launcher`` (inside the registered op).
     """
     out_dtype = x.dtype if add_unit_offset else torch.promote_types(weight.dtype, x.dtype)
     y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
@@ -189,7 +201,8 @@ def rms_norm_forward(
     block, num_warps = _block_and_warps(n_cols, num_warps)
     if long_indexing is None:
         long_indexing = _needs_long_indexing(n_rows, block, [x2.stride(0), n_cols])
-    _rms_norm_fwd_kernel[(n_rows,)](
+    kernel = launcher(_rms_norm_fwd_kernel, x) if traced else _rms_norm_fwd_kernel
+    kernel[(n_rows,)](
         x2,
         weight,
         y2,
@@ -216,6 +229,7 @@ def rms_norm_backward(
     long_indexing: bool | None = None,
     num_warps: int | None = None,
     programs_per_sm: int | None = None,
+    traced: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx, dweight) as fresh tensors (dx contiguous, x's dtype; dweight weight's dtype)."""
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -230,7 +244,8 @@ def rms_norm_backward(
     dw_partial = torch.empty(n_programs, n_cols, dtype=torch.float32, device=x.device)
     if long_indexing is None:
         long_indexing = _needs_long_indexing(n_rows, block, [x2.stride(0), dy2.stride(0), n_cols])
-    _rms_norm_bwd_kernel[(n_programs,)](
+    kernel = launcher(_rms_norm_bwd_kernel, x) if traced else _rms_norm_bwd_kernel
+    kernel[(n_programs,)](
         dy2,
         x2,
         weight,
@@ -277,6 +292,46 @@ class _RMSNormFunction(torch.autograd.Function):
             None,
             None,
         )
+
+
+# The registered ops (what torch.compile sees). Same kernels, same autograd contract.
+@kernel_op("rms_norm_fwd")
+def _rms_norm_fwd_op(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, add_unit_offset: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return rms_norm_forward(x, weight, eps, add_unit_offset, traced=True)
+
+
+@kernel_op("rms_norm_bwd")
+def _rms_norm_bwd_op(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    rstd: torch.Tensor,
+    add_unit_offset: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return rms_norm_backward(dy, x, weight, rstd, add_unit_offset, traced=True)
+
+
+def _rms_norm_setup_context(ctx, inputs, output) -> None:
+    x, weight, _, ctx.add_unit_offset = inputs
+    ctx.save_for_backward(x, weight, output[1])
+
+
+def _rms_norm_op_backward(ctx, dy, _drstd):
+    x, weight, rstd = ctx.saved_tensors
+    if not (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]):
+        return None, None, None, None
+    dx, dw = _rms_norm_bwd_op(dy, x, weight, rstd, ctx.add_unit_offset)
+    return (
+        dx if ctx.needs_input_grad[0] else None,
+        dw if ctx.needs_input_grad[1] else None,
+        None,
+        None,
+    )
+
+
+_rms_norm_fwd_op.register_autograd(_rms_norm_op_backward, setup_context=_rms_norm_setup_context)
 
 
 def _check_inputs(x, weight, eps) -> None:
@@ -327,4 +382,6 @@ def rms_norm(
         dweight.
     """
     _check_inputs(x, weight, eps)
+    if compiling():
+        return _rms_norm_fwd_op(x, weight, float(eps), bool(add_unit_offset))[0]
     return _RMSNormFunction.apply(x, weight, float(eps), bool(add_unit_offset))

@@ -36,6 +36,20 @@ saved tensor that was written raises in backward as with any in-place torch op.
 
 Indexing: int32 offsets; ``LONG_INDEXING`` (int64) is chosen on the host when any offset the launch
 can form reaches 2^31 (e.g. B * T * H * D of a q with 500K+ tokens).
+
+Registered ops (what torch.compile sees; ``triton_op`` on a GPU, so Inductor traces the launch):
+``torch.ops.hf_varlen.rope_qk`` (out of place, both outputs token-major; autograd through
+``register_autograd``: the backward is the same op with ``conjugate=True``) and ``rope_qk_``
+(in place, ``mutates_args=("q", "k")``, no autograd: used only when autograd does not record).
+The public functions call them only while torch.compile traces (``library.compiling()``); eager
+calls keep the ``autograd.Function`` path, because a registered op's dispatch costs ~20 us more
+host time per call (CPU, torch 2.13, tiny tensor with autograd recording: 28 us vs 8 us) and the
+eager step is host-bound. Under tracing: ``rotary_pos_emb`` always rotates out of place (its
+in-place shortcut needs storage addresses, which a traced graph has not; Inductor plans the
+buffers); ``apply_rotary_qk(inplace=True)`` uses ``rope_qk_`` when autograd does not record (the
+overlap checks need storage addresses and are skipped) and, when it records, rotates out of place
+(whether q is a view of a leaf cannot be asked while tracing): as documented, use the returned
+tensors. The config cache is an ``lru_cache`` on ints only.
 """
 
 from __future__ import annotations
@@ -49,9 +63,10 @@ import triton
 import triton.language as tl
 from torch.autograd.graph import increment_version
 
-from ._triton_common import INT32_LIMIT, round_to
+from ._triton_common import INT32_LIMIT, kernel_op, launcher, round_to
 from ._triton_common import INTERPRET as _INTERPRET
 from .common import check_int
+from .library import compiling
 
 __all__ = ["apply_rotary_qk", "rotary_pos_emb"]
 
@@ -246,7 +261,9 @@ def _next_pow2(n: int) -> int:
 
 def _pick_config(hq: int, hkv: int, block_half: int) -> _Config:
     """Depends on head counts and head dim only (never on T): no recompiles as T varies."""
-    return _config_override or _default_config(hq, hkv, block_half)
+    # int(): under tracing with dynamic shapes a head count may arrive as a SymInt, which the
+    # lru_cache cannot hash (head counts never vary, so specialising on them costs nothing)
+    return _config_override or _default_config(int(hq), int(hkv), int(block_half))
 
 
 @functools.lru_cache(maxsize=64)
@@ -304,10 +321,20 @@ def _needs_long_indexing(xs, cs, pos_mode, batch, seqlen, cfg, block_half, block
     return worst >= INT32_LIMIT
 
 
+def _search_steps(n_docs) -> int:
+    """Binary-search steps over n_docs offsets. A symbolic count (torch.compile with a dynamic
+    number of documents) must not be specialised: then the int32 bound, 31 steps (extra steps
+    leave the search where it converged)."""
+    return max(1, n_docs.bit_length()) if isinstance(n_docs, int) else 31
+
+
 def _launch(q, k, q_out, k_out, cos, sin, pos, cu, st: _Static, *, conjugate: bool,
-            force_long_indexing: bool = False) -> None:  # fmt: skip
+            force_long_indexing: bool = False, traced: bool = False) -> None:  # fmt: skip
     """Write rot(q) into q_out and rot(k) into k_out (the same tensors when in place); k and
-    k_out may be None to rotate q alone."""
+    k_out may be None to rotate q alone. ``traced``: launch through ``launcher`` (inside the
+    registered ops). In place means ``q_out is q`` (identity, not storage: works on fake tensors)."""
+    in_place = q_out is q
+    kernel = launcher(_rope_qk_kernel, q) if traced else _rope_qk_kernel
     hkv = None
     if k is None:  # no k heads: q stands in as a never-read dummy
         k, k_out, hkv = q, q_out, 0
@@ -320,7 +347,7 @@ def _launch(q, k, q_out, k_out, cos, sin, pos, cu, st: _Static, *, conjugate: bo
     half = st.rotary_dim // 2
     block_half = _next_pow2(half)
     n_pass = head_dim - st.rotary_dim
-    copy_pass = n_pass > 0 and q_out.data_ptr() != q.data_ptr()
+    copy_pass = n_pass > 0 and not in_place
     block_pass = _next_pow2(n_pass) if copy_pass else 1
     cfg = _pick_config(hq, hkv, block_half)
 
@@ -350,10 +377,10 @@ def _launch(q, k, q_out, k_out, cos, sin, pos, cu, st: _Static, *, conjugate: bo
     on_other_gpu = q.is_cuda and q.device.index != torch.cuda.current_device()
     # fmt: off
     with torch.cuda.device(q.device) if on_other_gpu else nullcontext():
-        _rope_qk_kernel[grid](
+        kernel[grid](
             q, q_out, k, k_out, cos, sin,
             pos if pos is not None else cos, cu if cu is not None else cos,  # unused dummies
-            seqlen, hq, hkv, n_docs, max(1, n_docs.bit_length()),
+            seqlen, hq, hkv, n_docs, _search_steps(n_docs),
             *sq, *sqo, *sk, *sko, *sc3, *ss3, stride_pb, stride_pt,
             HALF=half, PASS=n_pass, COPY_PASS=copy_pass,
             BLOCK_T=cfg.block_t, BLOCK_H=cfg.block_h, BLOCK_HALF=block_half, BLOCK_PASS=block_pass,
@@ -551,7 +578,75 @@ def _conjugate_one(ctx, dx_out: torch.Tensor) -> torch.Tensor:
     return dx
 
 
+# Registered ops: what torch.compile traces (see the module docstring).
+@kernel_op("rope_qk")
+def _rope_qk_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    pos: torch.Tensor | None,
+    cu: torch.Tensor | None,
+    interleaved: bool,
+    rotary_dim: int,
+    pos_mode: int,
+    conjugate: bool,
+    out_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    st = _Static(interleaved, rotary_dim, pos_mode)
+    q_out, k_out = _empty_token_major(q, out_dtype), _empty_token_major(k, out_dtype)
+    _launch(q, k, q_out, k_out, cos, sin, pos, cu, st, conjugate=conjugate, traced=True)
+    return q_out, k_out
+
+
+@kernel_op("rope_qk_", mutates_args=("q", "k"))
+def _rope_qk_inplace_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    pos: torch.Tensor | None,
+    cu: torch.Tensor | None,
+    interleaved: bool,
+    rotary_dim: int,
+    pos_mode: int,
+) -> None:
+    st = _Static(interleaved, rotary_dim, pos_mode)
+    _launch(q, k, q, k, cos, sin, pos, cu, st, conjugate=False, traced=True)
+
+
+def _rope_qk_setup_context(ctx, inputs, output) -> None:
+    q, _, cos, sin, pos, cu, interleaved, rotary_dim, pos_mode, conjugate, _ = inputs
+    ctx.save_for_backward(cos, sin, pos, cu)
+    ctx.static = (interleaved, rotary_dim, pos_mode)
+    ctx.conjugate, ctx.in_dtype = conjugate, q.dtype
+
+
+def _rope_qk_op_backward(ctx, dq_out, dk_out):
+    cos, sin, pos, cu = ctx.saved_tensors
+    # the conjugate of the conjugate is the rotation itself (backward of the backward)
+    dq, dk = _rope_qk_op(
+        dq_out, dk_out, cos, sin, pos, cu, *ctx.static, not ctx.conjugate, ctx.in_dtype
+    )
+    return dq, dk, None, None, None, None, None, None, None, None, None
+
+
+_rope_qk_op.register_autograd(_rope_qk_op_backward, setup_context=_rope_qk_setup_context)
+
+
+def _rotary_qk_traced(q, k, cos, sin, pos, cu, st: _Static, inplace: bool, out_dtype):
+    """``_rotary_qk`` through the registered ops (under torch.compile)."""
+    args = (cos, sin, pos, cu, st.interleaved, st.rotary_dim, st.pos_mode)
+    records = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
+    if inplace and not records:
+        _rope_qk_inplace_op(q, k, *args)
+        return q, k
+    return _rope_qk_op(q, k, *args, False, out_dtype)
+
+
 def _rotary_qk(q, k, cos, sin, pos, cu, st: _Static, inplace: bool, out_dtype: torch.dtype):
+    if compiling():
+        return _rotary_qk_traced(q, k, cos, sin, pos, cu, st, inplace, out_dtype)
     records = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
     if inplace and records and (_is_grad_leaf(q) or _is_grad_leaf(k)):
         inplace = False
@@ -600,7 +695,8 @@ def apply_rotary_qk(
             position is its offset inside its document, computed in the kernel.
         inplace: overwrite q and k and return them. When autograd records and q or k is a leaf
             (or a view of a leaf) that requires grad, which cannot be written in place, new
-            tensors are returned instead: always use the returned tensors.
+            tensors are returned instead (also whenever autograd records under torch.compile):
+            always use the returned tensors.
         interleaved: rotate pairs (x[2i], x[2i+1]) (GPT-J/NeoX-interleaved) instead of the
             halves (x[:R/2], x[R/2:R]) of HF's ``rotate_half``; cos/sin follow the same layout.
         rotary_dim: R, the number of leading features that rotate (even, <= D); the rest pass
@@ -644,7 +740,8 @@ def rotary_pos_emb(
     out_dtype = torch.promote_types(q.dtype, cos.dtype)
     records = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
     inplace = (
-        not records
+        not compiling()
+        and not records
         and out_dtype == q.dtype
         and torch._debug_has_internal_overlap(q) != 1
         and torch._debug_has_internal_overlap(k) != 1
