@@ -171,6 +171,19 @@ def _device_type(model: nn.Module, device) -> str:
     raise TypeError(f"device must be None, a str or a torch.device, got {type(device).__name__}")
 
 
+def _triton_problem() -> str | None:
+    """None when triton imports, else why the layer kernels cannot run (CPU-only installs of
+    hf_varlen do not get triton; the fused loss has a pure-torch path and is still installed)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return (
+            "triton is not installed: the fused RMSNorm / RoPE / GLU layers are Triton kernels "
+            "(pip install triton; CUDA builds of torch already depend on it)"
+        )
+    return None
+
+
 def _device_problem(device_type: str) -> str | None:
     if device_type == "cuda" or (device_type == "cpu" and env_flag("TRITON_INTERPRET")):
         return None
@@ -334,14 +347,20 @@ def kernelize(
         path_reason=problem or "",
         _model=weakref.ref(model),
     )
-    from . import hub_layers as helpers
-
     _undo(model)
-    targets, report.left_alone = plan(model, helpers, rope=rope, glu=glu, rmsnorm=rmsnorm)
+    kinds = [kind for kind, on in (("rmsnorm", rmsnorm), ("rope", rope), ("glu", glu)) if on]
+    if kinds and (why := _triton_problem()):  # hub_layers imports the Triton ops: do not plan
+        targets, report.left_alone = [], dict.fromkeys(kinds, why)
+    else:
+        from . import hub_layers as helpers
+
+        targets, report.left_alone = plan(model, helpers, rope=rope, glu=glu, rmsnorm=rmsnorm)
     if targets and (why := _device_problem(device_type)):
         report.left_alone.update({t.name: why for t in targets})
         targets = []
-    if problem:
+    if not targets:
+        layers = None
+    elif problem:
         layers = _apply_fallback(targets, report)
     else:
         layers = _apply_kernels(targets, device_type, report)

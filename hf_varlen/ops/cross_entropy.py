@@ -38,7 +38,16 @@ the bf16 product is added in a second step.
 The row kernel reads the (C, V) logits twice (online max/sum-exp, then the gradient) and writes them
 once; it runs one program per row, streaming V in BLOCK_V pieces. A pure-torch version of the same
 row step (same chunking) runs on CPU outside the Triton interpreter, so CPU training is not slowed
-down by the interpreter; ``backend="auto"`` picks by device.
+down by the interpreter; ``backend="auto"`` picks by device. The Triton kernel lives in
+``cross_entropy_kernel.py``, imported only where triton is installed: without it (CPU-only installs)
+"auto" is the torch row step and "triton" raises.
+
+Dispatch: ``torch.ops.hf_varlen.fused_linear_ce`` (+ ``fused_linear_ce_rows_bwd`` for "none") is an
+opaque ``custom_op`` with a fake implementation and autograd via ``register_autograd``; the chunk
+loop and its row-count sync run inside it, so torch.compile traces it without a graph break or a
+Python number read from a tensor. The public function calls it only while torch.compile traces;
+eager calls keep the ``autograd.Function`` (a registered op's dispatch costs ~20 us more host time
+per call on CPU, torch 2.13). Both run the same chunk loop.
 
 Shapes: hidden (..., H) (e.g. (B, T, H) or packed (T, H)), labels (...) aligned with hidden: the
 label of row t is the target for row t. The op does NOT shift; HF's causal shift belongs to the
@@ -52,12 +61,18 @@ import os
 from dataclasses import dataclass
 
 import torch
-import triton
-import triton.language as tl
 
-from ._triton_common import INT32_LIMIT, round_to
-from ._triton_common import INTERPRET as _INTERPRET
-from .common import IGNORE_INDEX, check_int
+from .common import IGNORE_INDEX, check_int, env_flag
+from .library import compiling, qualname
+
+try:  # the Triton row kernel; without triton only the pure-torch row step exists
+    from .cross_entropy_kernel import ce_rows_triton
+except ModuleNotFoundError as exc:
+    if exc.name != "triton" and not (exc.name or "").startswith("triton."):
+        raise
+    ce_rows_triton = None
+
+_INTERPRET = env_flag("TRITON_INTERPRET")
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _REDUCTIONS = ("sum", "mean", "none")
@@ -69,116 +84,8 @@ _CHUNK_BYTES_DEFAULT = 1 << 26
 
 
 # ----------------------------------------------------------------------------------------------
-# Row kernel
-# ----------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _tanh(u):
-    """fp32 tanh from exp (no tanh in the interpreter); a series near 0, where 1 - e^-2a cancels."""
-    a = tl.abs(u)
-    e = tl.exp(-2.0 * a)
-    big = (1.0 - e) / (1.0 + e)
-    a2 = a * a
-    small = a * (1.0 + a2 * (-1.0 / 3.0 + a2 * (2.0 / 15.0 + a2 * (-17.0 / 315.0))))
-    t = tl.where(a < 0.125, small, big)
-    return tl.where(u < 0.0, -t, t)
-
-
-@triton.jit
-def _ce_rows_kernel(
-    logits_ptr,  # (C, V) in, dloss/dlogits out (in place)
-    stride_row,
-    labels_ptr,  # (C,) int32/int64
-    loss_ptr,  # (C,) fp32 out
-    row_scale_ptr,  # (C,) fp32 gradient scale per row (only read when HAS_ROW_SCALE)
-    V,
-    ignore_index,
-    softcap,
-    logit_scale,
-    label_smoothing,
-    z_loss,
-    HAS_SOFTCAP: tl.constexpr,
-    HAS_SMOOTHING: tl.constexpr,
-    HAS_Z_LOSS: tl.constexpr,
-    HAS_ROW_SCALE: tl.constexpr,
-    COMPUTE_GRAD: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    LONG_INDEXING: tl.constexpr,
-):
-    row = tl.program_id(0)
-    if LONG_INDEXING:
-        row = row.to(tl.int64)
-    row_ptr = logits_ptr + row * stride_row
-    dtype = logits_ptr.dtype.element_ty
-    cols0 = tl.arange(0, BLOCK_V)
-    y = tl.load(labels_ptr + row)
-
-    if y == ignore_index:
-        tl.store(loss_ptr + row, 0.0)
-        if COMPUTE_GRAD:
-            zeros = tl.zeros([BLOCK_V], dtype=tl.float32).to(dtype)
-            for start in range(0, V, BLOCK_V):
-                cols = start + cols0
-                tl.store(row_ptr + cols, zeros, mask=cols < V)
-    else:
-        # Pass 1: online max / sum-exp over V (and sum of z for label smoothing).
-        m = tl.zeros([], dtype=tl.float32) - float("inf")
-        s = tl.zeros([], dtype=tl.float32)
-        sum_z = tl.zeros([], dtype=tl.float32)
-        for start in range(0, V, BLOCK_V):
-            cols = start + cols0
-            mask = cols < V
-            z = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32) * logit_scale
-            if HAS_SOFTCAP:
-                z = softcap * _tanh(z / softcap)
-            if HAS_SMOOTHING:
-                sum_z += tl.sum(tl.where(mask, z, 0.0), axis=0)
-            z = tl.where(mask, z, float("-inf"))
-            m_new = tl.maximum(m, tl.max(z, axis=0))
-            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
-            m = m_new
-        lse = m + tl.log(s)
-
-        # An out-of-range label (not ignore_index) makes the row's loss NaN instead of reading
-        # out of bounds: a loud result without a host-side check of the label values.
-        in_range = (y >= 0) & (y < V)
-        z_y = tl.load(row_ptr + tl.where(in_range, y, 0)).to(tl.float32) * logit_scale
-        if HAS_SOFTCAP:
-            z_y = softcap * _tanh(z_y / softcap)
-        loss = lse - (1.0 - label_smoothing) * z_y
-        if HAS_SMOOTHING:
-            loss -= label_smoothing * sum_z / V
-        if HAS_Z_LOSS:
-            loss += z_loss * lse * lse
-        tl.store(loss_ptr + row, tl.where(in_range, loss, float("nan")))
-
-        # Pass 2: dloss/dlogits over the same row, written over the logits.
-        if COMPUTE_GRAD:
-            scale = logit_scale
-            if HAS_ROW_SCALE:
-                scale = scale * tl.load(row_scale_ptr + row)
-            p_coef = 1.0
-            if HAS_Z_LOSS:
-                p_coef = 1.0 + 2.0 * z_loss * lse
-            for start in range(0, V, BLOCK_V):
-                cols = start + cols0
-                mask = cols < V
-                z = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32) * logit_scale
-                if HAS_SOFTCAP:
-                    t = _tanh(z / softcap)
-                    z = softcap * t
-                g = tl.exp(z - lse) * p_coef
-                if HAS_SMOOTHING:
-                    g -= label_smoothing / V
-                g = tl.where(cols == y, g - (1.0 - label_smoothing), g)
-                if HAS_SOFTCAP:
-                    g = g * (1.0 - t * t)
-                tl.store(row_ptr + cols, round_to(g * scale, dtype), mask=mask)
-
-
-# ----------------------------------------------------------------------------------------------
-# Row step launchers (tensor in/out, no autograd): Triton and pure torch, same contract
+# Row step launchers (tensor in/out, no autograd): Triton (cross_entropy_kernel.py) and pure
+# torch, same contract
 # ----------------------------------------------------------------------------------------------
 
 
@@ -192,47 +99,6 @@ class _LossConfig:
     z_loss: float
     chunk_size: int | None
     backend: str  # "triton" | "torch" (resolved)
-
-
-def ce_rows_triton(
-    logits: torch.Tensor,
-    labels: torch.Tensor,
-    loss: torch.Tensor,
-    cfg: _LossConfig,
-    *,
-    compute_grad: bool,
-    row_scale: torch.Tensor | None = None,
-    block_v: int | None = None,
-) -> None:
-    """Row step on a (C, V) logits chunk: per-row loss into ``loss``, dloss/dlogits in place."""
-    n_rows, vocab = logits.shape
-    if n_rows == 0:
-        return
-    if logits.stride(1) != 1:
-        raise ValueError(f"logits: expected a unit last-dim stride, got strides {logits.stride()}")
-    block = block_v or min(4096, triton.next_power_of_2(vocab))
-    long_indexing = (n_rows - 1) * logits.stride(0) + vocab > INT32_LIMIT
-    _ce_rows_kernel[(n_rows,)](
-        logits,
-        logits.stride(0),
-        labels,
-        loss,
-        row_scale if row_scale is not None else loss,
-        vocab,
-        cfg.ignore_index,
-        float(cfg.softcap or 1.0),
-        float(cfg.logit_scale),
-        float(cfg.label_smoothing),
-        float(cfg.z_loss),
-        HAS_SOFTCAP=cfg.softcap is not None,
-        HAS_SMOOTHING=cfg.label_smoothing > 0.0,
-        HAS_Z_LOSS=cfg.z_loss > 0.0,
-        HAS_ROW_SCALE=row_scale is not None,
-        COMPUTE_GRAD=compute_grad,
-        BLOCK_V=block,
-        LONG_INDEXING=bool(long_indexing),
-        num_warps=8 if block >= 2048 else 4,
-    )
 
 
 def ce_rows_torch(
@@ -399,18 +265,26 @@ def _scatter_rows(values: torch.Tensor, idx: torch.Tensor | None, n_rows: int) -
     return out.index_copy_(0, idx, values)
 
 
+def _kept_rows(hidden: torch.Tensor, labels: torch.Tensor, ignore_index: int):
+    """(n_valid, idx, h, y): the rows whose label is not ignored (idx None when all are kept).
+
+    Ignored tokens are dropped before the matmuls: their loss and gradients are exactly zero.
+    Counting them is the op's one host sync: the chunk loop needs the row count."""
+    keep = labels != ignore_index
+    n_valid = int(keep.sum())
+    idx = None if n_valid == hidden.shape[0] else keep.nonzero().squeeze(1)
+    h = hidden if idx is None else hidden.index_select(0, idx)
+    y = labels if idx is None else labels.index_select(0, idx)
+    return n_valid, idx, h, y
+
+
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, cfg: _LossConfig):
         need_dh, need_dw, need_db = ctx.needs_input_grad[:3]
         need_grad = need_dh or need_dw or need_db
         n_rows = hidden.shape[0]
-        # Drop ignored tokens before the matmuls: their loss and gradients are exactly zero.
-        keep = labels != cfg.ignore_index
-        n_valid = int(keep.sum())  # the op's one host sync: the chunk loop needs the row count
-        idx = None if n_valid == n_rows else keep.nonzero().squeeze(1)
-        h = hidden if idx is None else hidden.index_select(0, idx)
-        y = labels if idx is None else labels.index_select(0, idx)
+        n_valid, idx, h, y = _kept_rows(hidden, labels, cfg.ignore_index)
         ctx.cfg, ctx.idx, ctx.n_rows, ctx.n_valid = cfg, idx, n_rows, n_valid
 
         # "none" has a per-token grad_output, known only in backward: recompute there.
@@ -474,6 +348,194 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
 
 
 # ----------------------------------------------------------------------------------------------
+# Registered op (what torch.compile sees): opaque custom_op, gradients as outputs
+# ----------------------------------------------------------------------------------------------
+# The chunk loop is cuBLAS matmuls around a row kernel plus one host sync (the kept-row count),
+# so it stays one opaque op: Inductor has nothing to fuse across it, and the sync happens inside
+# the op (no graph break, nothing read into Python while tracing). The forward returns the loss,
+# the gradients of the unscaled loss and the kept-token count as a tensor; the backward scales
+# them by grad_output (divided by that count for "mean"), as the autograd.Function does. Unneeded
+# gradients are empty (0,) tensors. "none" computes no gradient in the forward; its backward is
+# the second op, which recomputes the logits with the per-token grad_output as row scale.
+
+
+def _cfg_of(
+    ignore_index: int,
+    reduction: str,
+    softcap: float | None,
+    logit_scale: float,
+    label_smoothing: float,
+    z_loss: float,
+    chunk_size: int | None,
+    backend: str,
+) -> _LossConfig:
+    return _LossConfig(
+        ignore_index, reduction, softcap, logit_scale, label_smoothing, z_loss, chunk_size, backend
+    )
+
+
+@torch.library.custom_op(qualname("fused_linear_ce"), mutates_args=())
+def _fused_linear_ce_op(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    labels: torch.Tensor,
+    ignore_index: int,
+    reduction: str,
+    softcap: float | None,
+    logit_scale: float,
+    label_smoothing: float,
+    z_loss: float,
+    chunk_size: int | None,
+    backend: str,
+    need_dh: bool,
+    need_dw: bool,
+    need_db: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    cfg = _cfg_of(
+        ignore_index, reduction, softcap, logit_scale, label_smoothing, z_loss, chunk_size, backend
+    )
+    n_rows = hidden.shape[0]
+    n_valid, idx, h, y = _kept_rows(hidden, labels, ignore_index)
+    defer = reduction == "none"
+    loss, dh, dw, db = linear_ce_chunks(
+        h,
+        weight,
+        bias,
+        y,
+        cfg,
+        need_dh=need_dh and not defer,
+        need_dw=need_dw and not defer,
+        need_db=need_db and not defer,
+    )
+    if reduction == "none":
+        loss = _scatter_rows(loss, idx, n_rows)
+    else:
+        loss = loss.sum()
+        loss = loss if reduction == "sum" else loss / max(n_valid, 1)
+    empty = hidden.new_empty
+    return (
+        loss,
+        empty(0) if dh is None else _scatter_rows(dh, idx, n_rows),
+        empty(0, dtype=weight.dtype) if dw is None else dw,
+        empty(0, dtype=weight.dtype) if db is None else db,
+        torch.tensor(n_valid, dtype=torch.int64, device=hidden.device),
+    )
+
+
+@_fused_linear_ce_op.register_fake
+def _fused_linear_ce_fake(
+    hidden, weight, bias, labels, ignore_index, reduction, softcap, logit_scale,
+    label_smoothing, z_loss, chunk_size, backend, need_dh, need_dw, need_db,
+):  # fmt: skip
+    defer = reduction == "none"
+    fp32 = torch.float32
+    loss = hidden.new_empty(labels.shape if defer else (), dtype=fp32)
+    dh = hidden.new_empty(hidden.shape if need_dh and not defer else (0,))
+    dw = weight.new_empty(weight.shape if need_dw and not defer else (0,))
+    db = weight.new_empty((weight.shape[0],) if need_db and not defer else (0,))
+    return loss, dh, dw, db, hidden.new_empty((), dtype=torch.int64)
+
+
+@torch.library.custom_op(qualname("fused_linear_ce_rows_bwd"), mutates_args=())
+def _fused_linear_ce_rows_bwd_op(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    labels: torch.Tensor,
+    grad_rows: torch.Tensor,
+    ignore_index: int,
+    softcap: float | None,
+    logit_scale: float,
+    label_smoothing: float,
+    z_loss: float,
+    chunk_size: int | None,
+    backend: str,
+    need_dh: bool,
+    need_dw: bool,
+    need_db: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of sum(loss_t * grad_rows_t) (reduction "none"); unneeded ones are (0,)."""
+    cfg = _cfg_of(
+        ignore_index, "none", softcap, logit_scale, label_smoothing, z_loss, chunk_size, backend
+    )
+    _, idx, h, y = _kept_rows(hidden, labels, ignore_index)
+    scale = grad_rows.float() if idx is None else grad_rows.float().index_select(0, idx)
+    _, dh, dw, db = linear_ce_chunks(
+        h, weight, bias, y, cfg, need_dh=need_dh, need_dw=need_dw, need_db=need_db,
+        row_scale=scale.contiguous(),
+    )  # fmt: skip
+    empty = hidden.new_empty
+    return (
+        empty(0) if dh is None else _scatter_rows(dh, idx, hidden.shape[0]),
+        empty(0, dtype=weight.dtype) if dw is None else dw,
+        empty(0, dtype=weight.dtype) if db is None else db,
+    )
+
+
+@_fused_linear_ce_rows_bwd_op.register_fake
+def _fused_linear_ce_rows_bwd_fake(
+    hidden, weight, bias, labels, grad_rows, ignore_index, softcap, logit_scale,
+    label_smoothing, z_loss, chunk_size, backend, need_dh, need_dw, need_db,
+):  # fmt: skip
+    return (
+        hidden.new_empty(hidden.shape if need_dh else (0,)),
+        weight.new_empty(weight.shape if need_dw else (0,)),
+        weight.new_empty((weight.shape[0],) if need_db else (0,)),
+    )
+
+
+def _ce_setup_context(ctx, inputs, output) -> None:
+    hidden, weight, bias, labels, ignore_index, reduction, *rest = inputs
+    ctx.reduction, ctx.cfg_args, ctx.computed = reduction, (ignore_index, *rest[:-3]), rest[-3:]
+    if reduction == "none":
+        ctx.save_for_backward(hidden, weight, bias, labels)
+    else:
+        ctx.save_for_backward(*output[1:])
+
+
+def _ce_op_backward(ctx, grad_loss, *_unused):
+    need = tuple(ctx.needs_input_grad[:3])
+    missing = [n for n, a, c in zip(("need_dh", "need_dw", "need_db"), need, ctx.computed) if a > c]
+    if missing and ctx.reduction != "none":
+        raise RuntimeError(
+            f"fused_linear_ce: autograd needs a gradient the forward did not compute; call the op "
+            f"with {', '.join(missing)}=True for inputs that require grad"
+        )
+    if ctx.reduction == "none":
+        hidden, weight, bias, labels = ctx.saved_tensors
+        ignore_index, *rest = ctx.cfg_args
+        grads = _fused_linear_ce_rows_bwd_op(
+            hidden, weight, bias, labels, grad_loss, ignore_index, *rest, *need
+        )
+    else:
+        dh, dw, db, n_valid = ctx.saved_tensors
+        factor = grad_loss.float()
+        if ctx.reduction == "mean":  # the gradients are all zero when no token is kept
+            factor = factor / n_valid.clamp(min=1)
+        grads = tuple(g * factor for g in (dh, dw, db))
+    dh, dw, db = (g if n else None for g, n in zip(grads, need))
+    return (dh, dw, db) + (None,) * 12
+
+
+_fused_linear_ce_op.register_autograd(_ce_op_backward, setup_context=_ce_setup_context)
+
+
+def _fused_linear_ce_traced(hidden, weight, bias, labels, cfg: _LossConfig) -> torch.Tensor:
+    """The autograd.Function's result through the registered op (under torch.compile)."""
+    grad = torch.is_grad_enabled()
+    needs = (
+        grad and hidden.requires_grad,
+        grad and weight.requires_grad,
+        grad and bias is not None and bias.requires_grad,
+    )
+    return _fused_linear_ce_op(
+        hidden, weight, bias, labels, cfg.ignore_index, cfg.reduction, cfg.softcap,
+        cfg.logit_scale, cfg.label_smoothing, cfg.z_loss, cfg.chunk_size, cfg.backend, *needs,
+    )[0]  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------
 # Public function
 # ----------------------------------------------------------------------------------------------
 
@@ -483,7 +545,12 @@ def _resolve_backend(backend: str, device: torch.device) -> str:
         raise ValueError(f"backend: expected one of {_BACKENDS}, got {backend!r}")
     triton_ok = device.type == "cuda" or (device.type == "cpu" and _INTERPRET)
     if backend == "auto":
-        return "triton" if triton_ok else "torch"
+        return "triton" if triton_ok and ce_rows_triton is not None else "torch"
+    if backend == "triton" and ce_rows_triton is None:
+        raise ValueError(
+            "backend: 'triton' needs the triton package, which is not installed (pip install "
+            "triton, or pass backend='torch')"
+        )
     if backend == "triton" and not triton_ok:
         raise ValueError(
             "backend: 'triton' needs a CUDA tensor, or TRITON_INTERPRET=1 set before import on "
@@ -634,5 +701,8 @@ def fused_linear_cross_entropy(
         h2 = h2.contiguous()
     y = labels.reshape(-1)
     with torch.autocast(hidden.device.type, enabled=False):
-        loss = _FusedLinearCrossEntropy.apply(h2, weight, bias, y, cfg)
+        if compiling():
+            loss = _fused_linear_ce_traced(h2, weight, bias, y, cfg)
+        else:
+            loss = _FusedLinearCrossEntropy.apply(h2, weight, bias, y, cfg)
     return loss.view(lead_shape) if reduction == "none" else loss
