@@ -8,6 +8,11 @@ cu[-1] == T, max_seqlen >= the true maximum) with ``validate=True`` or ``HF_VARL
 (backends that copy the offsets to the host anyway, sdpa / reference / xformers, always run them).
 The call is then described once, as ``VarlenMetadata`` + ``AttentionParams``, and handed to the
 backend (hf_varlen/backends/registry.py has the backend signature).
+
+Under torch.compile: the sync-needing checks are skipped (validate / HF_VARLEN_VALIDATE are for
+eager debugging), max_seqlen_q/k may be SymInts, and a backend torch.compile cannot trace
+(``BackendSpec.traceable = False``: sdpa, reference, xformers, fa4) runs as the opaque op of
+backends/opaque.py, so the graph never breaks.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from numbers import Integral
 import torch
 
 from .backends import AttentionParams, Request, VarlenMetadata, resolve
+from .backends.opaque import call_opaque
 from .ops.common import check_offsets, deterministic_requested, env_flag
 
 
@@ -41,6 +47,8 @@ def _check_max(name: str, value) -> int:
             f"{name} must be a Python int, got a tensor; convert it once per batch "
             f"(int({name}.item())) rather than once per layer"
         )
+    if isinstance(value, torch.SymInt):  # under torch.compile: kept symbolic (int() specialises)
+        return value
     if not isinstance(value, Integral) or value < 0:
         raise TypeError(f"{name} must be a non-negative int, got {value!r}")
     return int(value)
@@ -152,12 +160,22 @@ def varlen_attention(
             cannot serve the call raises; it never falls back silently. "auto" means the model's
             scoped backend (inside a model, ``set_backend(name, model=...)``), else the process
             default (``set_backend`` / $HF_VARLEN_BACKEND), else the first capable backend.
-        validate: run the checks that need a device sync; default from HF_VARLEN_VALIDATE.
+        validate: run the checks that need a device sync; default from HF_VARLEN_VALIDATE (eager
+            only: under torch.compile the variable is skipped and validate=True raises).
     Returns:
         (T_q, H_q, D) attention output; an empty pack (T = 0) gives an empty output, and queries
         that see no key give zeros.
     """
-    full = env_flag("HF_VARLEN_VALIDATE") if validate is None else bool(validate)
+    if torch.compiler.is_compiling():  # the full checks read offsets on the host: eager only
+        if validate:
+            raise ValueError(
+                "validate=True reads cu_seqlens on the host (a sync and a graph break); it is not "
+                "available under torch.compile: validate in eager mode (HF_VARLEN_VALIDATE=1 is "
+                "skipped while compiling)"
+            )
+        full = False
+    else:
+        full = env_flag("HF_VARLEN_VALIDATE") if validate is None else bool(validate)
     max_q, max_k = validate_inputs(
         q,
         k,
@@ -192,4 +210,6 @@ def varlen_attention(
         k = k.contiguous()
     if v.stride(-1) != 1:
         v = v.contiguous()
+    if not spec.traceable and torch.compiler.is_compiling():
+        return call_opaque(spec.name, q, k, v, metadata, params)  # backends/opaque.py
     return spec.fn(q, k, v, metadata, params)

@@ -8,6 +8,18 @@ Sources, in the order the transformers attention function tries them:
 Each derived result is cached on the identity of its source tensors (``ops.common.TensorCache``),
 so all layers of a forward pass (which receive the same tensor objects) share one computation:
 at most one host sync per forward, none per layer, and none while ``torch.compile`` traces.
+
+Under torch.compile nothing is read back from a tensor: collator offsets are used as given (the
+eager coverage check cu[-1] == T is skipped), position_ids become fixed-length (T + 1) offsets
+built on the device (``device_offsets_from_position_ids``), and no cache is consulted.
+
+Which inputs may be Python ints, and why: ``max_seqlen_q/k`` (the collator's ``max_length_q/k``)
+and the token counts T. Kernels that take a Python max length (FlashAttention 2/3/4, torch's
+varlen_attn) size their launch from it on the host, so it must be known without reading the
+device; the collator knows it for free when it builds the batch. Under torch.compile they may be
+SymInts (automatic dynamic shapes turn a changing int into one) and are passed on as such, never
+through ``int()``, which would specialise the graph. Everything else that describes the documents
+is a device tensor. Our triton kernel needs neither max length.
 """
 
 from __future__ import annotations
@@ -19,6 +31,7 @@ from .ops.common import TensorCache
 
 __all__ = [
     "VarlenMetadata",
+    "device_offsets_from_position_ids",
     "from_collator_kwargs",
     "from_lengths",
     "from_padding_mask",
@@ -91,7 +104,11 @@ def from_collator_kwargs(
 
     def build() -> VarlenMetadata:
         flat_q, flat_k = cu_q.reshape(-1), cu_k.reshape(-1)
-        if total_q is None or torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():  # no sync: ints as given, a 0-d tensor -> the bound T
+            return VarlenMetadata(
+                flat_q, flat_k, _max_traced(max_q, total_q), _max_traced(max_k, total_k)
+            )
+        if total_q is None:
             return VarlenMetadata(flat_q, flat_k, _to_int(max_q), _to_int(max_k))
         mq, mk = _check_covers(flat_q, flat_k, max_q, max_k, total_q, total_k)
         return VarlenMetadata(flat_q, flat_k, mq, mk)
@@ -104,11 +121,54 @@ def _to_int(x) -> int:
     return int(x.item()) if isinstance(x, torch.Tensor) else int(x)
 
 
+def _max_traced(x, total):
+    """A max length under torch.compile: a Python int / SymInt as given (never int(): that would
+    specialise the graph on it), a tensor replaced by the upper bound ``total`` (reading it would
+    be a host sync and a graph break)."""
+    if isinstance(x, torch.Tensor):
+        if total is None:
+            raise TypeError(
+                "max_length_q/k must be Python ints under torch.compile (a tensor would need a "
+                "host sync); the collator emits ints"
+            )
+        return total
+    return x
+
+
 _POS_CACHE = TensorCache()
 
 
+def device_offsets_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """(T + 1,) int32 document offsets built on the device from packed position_ids, no host sync.
+
+    A document starts wherever positions do not increase by exactly 1 (and at token 0). The
+    length is fixed by T alone, never by the number of documents: entry d is the start of
+    document d, and the unused slots after the last document repeat T (zero-length documents).
+    So under torch.compile the number of documents is never a shape (nothing to specialise on).
+    """
+    pos = position_ids.reshape(-1)
+    total = pos.shape[0]
+    starts = torch.ones_like(pos, dtype=torch.bool)
+    starts[1:] = pos[1:] != pos[:-1] + 1
+    doc = starts.cumsum(0) - 1  # document index of every token, 0 .. n_docs - 1
+    tokens = torch.arange(total, device=pos.device, dtype=torch.int64)
+    cu = torch.full((total + 1,), total, dtype=torch.int64, device=pos.device)
+    # the smallest token index of each document is its start; unused slots keep T
+    cu = cu.scatter_reduce(0, doc, tokens, reduce="amin", include_self=True)
+    return cu.to(torch.int32)
+
+
 def from_position_ids(position_ids: torch.Tensor) -> VarlenMetadata:
-    """(1, T) packed position_ids -> documents start where positions do not increase by exactly 1."""
+    """(1, T) packed position_ids -> documents start where positions do not increase by exactly 1.
+
+    Eager: the exact offsets (n_docs + 1 entries) and the true longest document, for one host sync
+    per batch (cached across layers). While compiling: ``device_offsets_from_position_ids`` (T + 1
+    entries, zero-length documents after the last) and max_seqlen = T, an upper bound; no sync.
+    """
+    if torch.compiler.is_compiling():
+        cu = device_offsets_from_position_ids(position_ids)
+        total = position_ids.numel()
+        return VarlenMetadata(cu, cu, total, total)
 
     def build() -> VarlenMetadata:
         pos = position_ids.reshape(-1)

@@ -58,4 +58,5 @@ register_backend(BackendSpec(
     "for sm90/sm100",
     requires="pip install flash-attn-4 (+ nvidia-cutlass-dsl); Hopper or Blackwell GPU",
     max_head_dim=256, head_dim_multiple=8, sliding_window=True, softcap=True,
+    traceable=False,  # CuTe JIT from Python: an opaque op under torch.compile
 ))  # fmt: skip

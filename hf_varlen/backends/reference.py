@@ -26,4 +26,5 @@ register_backend(BackendSpec(
     name="reference", fn=reference_backend, devices=frozenset({"cpu", "cuda"}), dtypes=_EVERY_FLOAT,
     description="pure PyTorch, one matmul-softmax-matmul per document (the test oracle)",
     requires="nothing (CPU or GPU)", sliding_window=True, softcap=True, dropout=True,
+    traceable=False,  # host offsets: an opaque op under torch.compile
 ))  # fmt: skip

@@ -62,6 +62,9 @@ class BackendSpec:
     deterministic: bool = True  # a bitwise-repeatable backward is available on request
     head_dim_multiple: int = 1
     backward_devices: frozenset[str] | None = None  # None: backward wherever forward runs
+    # False: torch.compile cannot trace ``fn`` (host offsets, Python-side JIT); while compiling it
+    # runs as one opaque op with a recompute backward (backends/opaque.py)
+    traceable: bool = True
     probe: Callable[[], str | None] = field(default=lambda: None)
 
 

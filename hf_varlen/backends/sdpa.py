@@ -62,4 +62,5 @@ register_backend(BackendSpec(
     "portable CPU path", requires="nothing (CPU or GPU)", devices=frozenset({"cpu", "cuda"}),
     dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64}),
     sliding_window=True, dropout=True,  # no softcap: SDPA has no score hook
+    traceable=False,  # host offsets: an opaque op under torch.compile
 ))  # fmt: skip

@@ -65,6 +65,7 @@ def _probe() -> str | None:
 
 register_backend(BackendSpec(
     name="xformers", fn=xformers_backend, probe=_probe, dropout=True, deterministic=False,
+    traceable=False,  # a bias built from host lists: an opaque op under torch.compile
     description="xformers memory_efficient_attention, block-diagonal causal bias",
     requires="pip install xformers built for the installed torch; CUDA",
 ))  # fmt: skip

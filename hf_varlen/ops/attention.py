@@ -19,8 +19,14 @@ Backward: a dQ kernel and a dK/dV kernel, no atomics: every mode is bitwise dete
 ``deterministic=True`` (or FLASH_ATTENTION_DETERMINISTIC=1, or torch's deterministic algorithms)
 costs nothing. Dropout is not implemented (dropout_p > 0 raises).
 
+Under torch.compile the call goes through the registered ops ``torch.ops.hf_varlen.triton_attention``
+/ ``triton_attention_backward`` (attention_ops.py: ``triton_op`` + ``wrap_triton``, so Inductor sees
+the kernels; fake implementations; autograd via ``register_autograd``). Eager calls skip the
+dispatcher (an autograd.Function with the plan cached across layers): same kernels, same numbers.
+
 Module layout: attention_schedule.py (bounds, tile orders, configs), attention_fwd.py (forward
-kernel), attention_bwd.py (backward kernels), this file (validation, autograd, public function).
+kernel), attention_bwd.py (backward kernels), attention_ops.py (torch.library ops), this file
+(validation, autograd, public function).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from .attention_bwd import attention_backward
 from .attention_fwd import attention_forward
 from .attention_schedule import fold_factor, get_plan, pick_config
 from .common import causal_window, deterministic_requested
+from .library import compiling
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -101,37 +108,50 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def forward_launch(q, k, v, plan, softmax_scale, softcap, traceable=False):
+    """Forward over a plan: (o (T_q, H_q, D), lse (H_q, T_q) fp32). q/k/v: unit last stride."""
+    cfg = pick_config(q.shape[2], q.dtype, q.device)
+    fold = fold_factor(q.shape[1] // k.shape[1], cfg.fwd_block_m, cfg.fwd_min_tokens)
+    return attention_forward(
+        q, k, v, plan.lo_q, plan.hi_q, plan.order_q(cfg.fwd_block_m // fold),
+        softmax_scale=softmax_scale, softcap=softcap, fold=fold,
+        block_m=cfg.fwd_block_m, block_n=cfg.fwd_block_n,
+        num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages, traceable=traceable,
+    )  # fmt: skip
+
+
+def backward_launch(
+    do, q, k, v, o, lse, plan, softmax_scale, softcap, deterministic, traceable=False
+):
+    """(dq, dk, dv) over a plan (attention_bwd.attention_backward with this shape's config)."""
+    cfg = pick_config(q.shape[2], q.dtype, q.device)
+    group = q.shape[1] // k.shape[1]
+    return attention_backward(
+        _last_dim_contiguous(do), q, k, v, o, lse, plan,
+        softmax_scale=softmax_scale, softcap=softcap, cfg=cfg, deterministic=deterministic,
+        fold_dq=fold_factor(group, cfg.dq_block_m, cfg.dq_min_tokens),
+        fold_kv=fold_factor(group, cfg.kv_block_m, cfg.kv_min_tokens), traceable=traceable,
+    )  # fmt: skip
+
+
 class _TritonVarlenAttention(torch.autograd.Function):
+    """The eager path: direct kernel launches, the plan cached on the cu_seqlens objects."""
+
     @staticmethod
     def forward(ctx, q, k, v, cu_q, cu_k, softmax_scale, left, right, softcap, deterministic):
         q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-        cfg = pick_config(q.shape[2], q.dtype, q.device)
-        group = q.shape[1] // k.shape[1]
-        fold = fold_factor(group, cfg.fwd_block_m, cfg.fwd_min_tokens)
         plan = get_plan(cu_q, cu_k, q.shape[0], k.shape[0], left, right)
-        o, lse = attention_forward(
-            q, k, v, plan.lo_q, plan.hi_q, plan.order_q(cfg.fwd_block_m // fold),
-            softmax_scale=softmax_scale, softcap=softcap, fold=fold,
-            block_m=cfg.fwd_block_m, block_n=cfg.fwd_block_n,
-            num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
-        )  # fmt: skip
+        o, lse = forward_launch(q, k, v, plan, softmax_scale, softcap)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.plan, ctx.cfg = plan, cfg
-        ctx.args = (softmax_scale, softcap, group, deterministic)
+        ctx.plan = plan
+        ctx.args = (softmax_scale, softcap, deterministic)
         ctx.mark_non_differentiable(lse)
         return o, lse
 
     @staticmethod
     def backward(ctx, do, _dlse):
         q, k, v, o, lse = ctx.saved_tensors
-        softmax_scale, softcap, group, deterministic = ctx.args
-        cfg = ctx.cfg
-        dq, dk, dv = attention_backward(
-            _last_dim_contiguous(do), q, k, v, o, lse, ctx.plan,
-            softmax_scale=softmax_scale, softcap=softcap, cfg=cfg, deterministic=deterministic,
-            fold_dq=fold_factor(group, cfg.dq_block_m, cfg.dq_min_tokens),
-            fold_kv=fold_factor(group, cfg.kv_block_m, cfg.kv_min_tokens),
-        )  # fmt: skip
+        dq, dk, dv = backward_launch(do, q, k, v, o, lse, ctx.plan, *ctx.args)
         return dq, dk, dv, None, None, None, None, None, None, None
 
 
@@ -215,7 +235,18 @@ def triton_attention(
     goes: the tile plan clamps them into [0, T] on the device (attention_schedule.row_bounds).
     """
     left, right = window
-    out, lse = _TritonVarlenAttention.apply(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right, softcap, deterministic
-    )
+    if compiling():  # traced: the registered op (attention_ops.py), which Inductor can see into
+        q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+        out, lse = triton_attention_op(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right, softcap, deterministic
+        )
+        lse = lse.detach()  # as in eager: lse carries no gradient
+    else:  # eager: no dispatcher round trip, plan cached across layers
+        out, lse = _TritonVarlenAttention.apply(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right, softcap, deterministic
+        )
     return (out, lse) if return_lse else out
+
+
+# The registered ops need forward_launch / backward_launch above (hence the import at the end).
+from .attention_ops import triton_attention_op  # noqa: E402

@@ -30,6 +30,7 @@ from .attention_fwd import (
     _scores,
     _split,
     _tanh,
+    launcher,
     needs_long_indexing,
     score_constants,
 )
@@ -84,6 +85,10 @@ def _attn_bwd_dq_kernel(
     EMPTY: tl.constexpr = 2147483647
     TILE: tl.constexpr = BLOCK_M // FOLD
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+    # fp32 scalars (Inductor passes Python floats as fp64; see the forward kernel)
+    scale_a = tl.cast(scale_a, tl.float32)
+    scale_b = tl.cast(scale_b, tl.float32)
+    sm_scale = tl.cast(sm_scale, tl.float32)
     pid = tl.program_id(0)
     tile = tl.load(ORDER + pid // N_HEAD_BLOCKS)
     head_block = pid % N_HEAD_BLOCKS
@@ -204,6 +209,10 @@ def _attn_bwd_dkdv_kernel(
     TILE: tl.constexpr = BLOCK_M // FOLD  # query tokens per inner step
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     PAD_ROWS: tl.constexpr = TILE * FOLD != BLOCK_M  # rows past TILE * FOLD are padding
+    # fp32 scalars (Inductor passes Python floats as fp64; see the forward kernel)
+    scale_a = tl.cast(scale_a, tl.float32)
+    scale_b = tl.cast(scale_b, tl.float32)
+    sm_scale = tl.cast(sm_scale, tl.float32)
     pid = tl.program_id(0)
     tile = tl.load(ORDER + pid // H_KV)
     kv_head = pid % H_KV
@@ -278,12 +287,12 @@ def _common(q, k, v, *more, softcap: float) -> dict:
 
 def backward_dq(
     do, q, k, v, o, lse, delta, dq, lo_q, hi_q, order, *, softmax_scale: float, softcap: float,
-    fold: int, block_m: int, block_n: int, num_warps: int, num_stages: int,
+    fold: int, block_m: int, block_n: int, num_warps: int, num_stages: int, traceable: bool = False,
 ) -> None:  # fmt: skip
     """Launch the dQ kernel; writes dq and delta (H_q, T_q) in place."""
     scale_a, scale_b = score_constants(softmax_scale, softcap)
     n_head_blocks = q.shape[1] // fold
-    _attn_bwd_dq_kernel[(order.numel() * n_head_blocks,)](
+    launcher(_attn_bwd_dq_kernel, traceable)[(order.numel() * n_head_blocks,)](
         q, k, v, o, do, lse, delta, dq, lo_q, hi_q, order,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         o.stride(0), o.stride(1), do.stride(0), do.stride(1), dq.stride(0), dq.stride(1),
@@ -295,12 +304,12 @@ def backward_dq(
 
 def backward_dkdv(
     do, q, k, v, lse, delta, dk, dv, qlo_k, qhi_k, order, *, softmax_scale: float, softcap: float,
-    fold: int, block_m: int, block_n: int, num_warps: int, num_stages: int,
+    fold: int, block_m: int, block_n: int, num_warps: int, num_stages: int, traceable: bool = False,
 ) -> None:  # fmt: skip
     """Launch the dK/dV kernel (needs delta from backward_dq); writes dk, dv in place."""
     scale_a, scale_b = score_constants(softmax_scale, softcap)
     h_kv = k.shape[1]
-    _attn_bwd_dkdv_kernel[(order.numel() * h_kv,)](
+    launcher(_attn_bwd_dkdv_kernel, traceable)[(order.numel() * h_kv,)](
         q, k, v, do, lse, delta, dk, dv, qlo_k, qhi_k, order,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
@@ -325,6 +334,7 @@ def attention_backward(
     fold_dq: int,
     fold_kv: int,
     deterministic: bool = False,
+    traceable: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dQ (+delta) then dK/dV over the plan's heaviest-first orders; returns dq, dk, dv.
 
@@ -338,7 +348,7 @@ def attention_backward(
     if q.shape[0] == 0 or k.shape[0] == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     delta = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
-    kw = dict(softmax_scale=softmax_scale, softcap=softcap)
+    kw = dict(softmax_scale=softmax_scale, softcap=softcap, traceable=traceable)
     backward_dq(
         do, q, k, v, o, lse, delta, dq, plan.lo_q, plan.hi_q, plan.order_q(cfg.dq_block_m // fold_dq),
         fold=fold_dq, block_m=cfg.dq_block_m, block_n=cfg.dq_block_n,

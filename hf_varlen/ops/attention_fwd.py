@@ -116,6 +116,10 @@ def _attn_fwd_kernel(
     EMPTY: tl.constexpr = 2147483647
     TILE: tl.constexpr = BLOCK_M // FOLD
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+    # Inductor types Python-float arguments as fp64 (eager triton: fp32); fp64 scores would change
+    # the type of the loop-carried m_i and run fp64 math, so the scalars are fp32 from here on.
+    scale_a = tl.cast(scale_a, tl.float32)
+    scale_b = tl.cast(scale_b, tl.float32)
     pid = tl.program_id(0)
     tile = tl.load(ORDER + pid // N_HEAD_BLOCKS)
     head_block = pid % N_HEAD_BLOCKS
@@ -179,6 +183,15 @@ def _attn_fwd_kernel(
     tl.store(LSE + head * T_q + tok, lse, mask=row_ok)
 
 
+def launcher(kernel, traceable: bool):
+    """``kernel`` itself, or its ``wrap_triton`` wrapper when ``traceable``. An interpreted kernel
+    (TRITON_INTERPRET=1) is never wrapped: torch cannot trace it (its op is opaque, see
+    attention_ops.py)."""
+    if not traceable or not isinstance(kernel, triton.runtime.jit.JITFunction):
+        return kernel
+    return torch.library.wrap_triton(kernel)
+
+
 def score_constants(softmax_scale: float, softcap: float) -> tuple[float, float]:
     """(scale_a, scale_b) so that base-2 logits are qk*a, or tanh(qk*a)*b with a softcap."""
     if softcap > 0:
@@ -210,8 +223,12 @@ def attention_forward(
     block_n: int,
     num_warps: int,
     num_stages: int,
+    traceable: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the forward kernel; returns o (T_q, H_q, D) and lse (H_q, T_q) fp32 (natural log)."""
+    """Launch the forward kernel; returns o (T_q, H_q, D) and lse (H_q, T_q) fp32 (natural log).
+
+    ``traceable``: launch through ``torch.library.wrap_triton`` (inside the registered op, so
+    torch.compile sees the kernel); eager calls launch the kernel directly (no HOP dispatch)."""
     t_q, h_q, dim = q.shape
     t_k, h_kv = k.shape[0], k.shape[1]
     o = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -221,7 +238,7 @@ def attention_forward(
     scale_a, scale_b = score_constants(softmax_scale, softcap)
     n_head_blocks = h_q // fold
     grid = (order.numel() * n_head_blocks,)
-    _attn_fwd_kernel[grid](
+    launcher(_attn_fwd_kernel, traceable)[grid](
         q, k, v, o, lse, lo_q, hi_q, order,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         o.stride(0), o.stride(1),

@@ -24,7 +24,9 @@ Heaviest-first: the launch order is a permutation of the tiles sorted by their s
 the long documents' heavy tiles (last causal query tiles; first key tiles) start first and the many
 light tiles fill in behind them (LPT). Bounds and orders are built with a few torch ops on the device
 once per batch and cached on the cu_seqlens tensor objects, so every layer of a forward (and the
-backward) reuses them.
+backward) reuses them. Everything here is traceable (no ``.item()``, no data-dependent branch; the
+only branch is on the number of documents, a shape): under torch.compile nothing is cached and the
+compiler sees the torch ops.
 
 Shapes: cu_seqlens_* (n_docs + 1,) int32; lo_q/hi_q (T_q,) int32; qlo_k/qhi_k (T_k,) int32;
 order_q(tile) (ceil(T_q / tile),) int32; order_k(tile) (ceil(T_k / tile),) int32.
@@ -137,7 +139,9 @@ def _doc_of(cu: torch.Tensor, n_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     rows = torch.arange(n_rows, device=cu.device, dtype=cu.dtype)
     doc = torch.searchsorted(cu, rows, right=True).to(torch.int64) - 1
     inside = (doc >= 0) & (doc < cu.numel() - 1)
-    return doc.clamp_(0, max(cu.numel() - 2, 0)), inside
+    # row_bounds returns before this for n_docs == 0, so numel - 2 >= 0 (no Python max: under
+    # torch.compile numel is symbolic and must not be specialised)
+    return doc.clamp_(0, cu.numel() - 2), inside
 
 
 def row_bounds(
@@ -197,7 +201,13 @@ _PLANS = TensorCache(size=16)
 def get_plan(
     cu_q: torch.Tensor, cu_k: torch.Tensor, t_q: int, t_k: int, left: int, right: int
 ) -> Plan:
-    """Bounds (and, lazily, tile orders) for this batch, built on the device once and cached."""
+    """Bounds (and, lazily, tile orders) for this batch, built on the device once and cached.
+
+    Only plain eager tensors are cached: inside a traced op (fake / functional tensors, or while
+    torch.compile traces) the plan is rebuilt from torch ops, which the compiler sees and
+    deduplicates across layers (no Python-side state in a graph)."""
+    if type(cu_q) is not torch.Tensor or type(cu_k) is not torch.Tensor:
+        return Plan(*row_bounds(cu_q, cu_k, t_q, t_k, left, right))
     return _PLANS.get_or_compute(
         (cu_q, cu_k),
         lambda: Plan(*row_bounds(cu_q, cu_k, t_q, t_k, left, right)),
