@@ -73,6 +73,7 @@ class _State:
     spec: HeadSpec
     previous_forward: object  # the instance forward we wrapped, or None (the class forward)
     forward: object  # our bound wrapper, to check that uninstall removes what we installed
+    labels_position: int | None = None  # of `labels` in the forward's positional arguments
 
 
 @dataclasses.dataclass
@@ -91,16 +92,21 @@ class _Call:
 
 @contextlib.contextmanager
 def _instance_attr(obj, name: str, value):
-    """Set an instance attribute for the duration of the block, then restore what was there."""
-    had, previous = name in obj.__dict__, obj.__dict__.get(name)
-    setattr(obj, name, value)
+    """Set an instance attribute for the duration of the block, then restore what was there.
+
+    Through ``__dict__`` (the values are plain callables, which ``nn.Module.__setattr__`` would
+    store there too): torch.compile replays a ``setattr`` + ``delattr`` pair on a module as a
+    deletion of an attribute the real module never had, and fails; dict writes replay cleanly."""
+    attrs = obj.__dict__
+    had, previous = name in attrs, attrs.get(name)
+    attrs[name] = value
     try:
         yield
     finally:
         if had:
-            setattr(obj, name, previous)
+            attrs[name] = previous
         else:
-            delattr(obj, name)
+            attrs.pop(name, None)
 
 
 def _fused_head_forward(
@@ -182,19 +188,28 @@ def _drop_logits(output):
     return output
 
 
-def _labels_from(signature: inspect.Signature, model, args, kwargs):
+def _labels_position(forward) -> int | None:
+    """Index of ``labels`` among the positional arguments after ``self`` (read once at install:
+    ``inspect.signature`` cannot run inside a torch.compile trace)."""
+    params = list(inspect.signature(forward).parameters.values())[1:]
+    for i, p in enumerate(params):
+        if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            return None
+        if p.name == "labels":
+            return i
+    return None
+
+
+def _labels_from(position: int | None, args, kwargs):
     if "labels" in kwargs or not args:
         return kwargs.get("labels")
-    try:
-        return signature.bind_partial(model, *args, **kwargs).arguments.get("labels")
-    except TypeError:
-        return None
+    return args[position] if position is not None and position < len(args) else None
 
 
 def _forward(model, *args, fused_loss: bool | None = None, **kwargs):
     state: _State = model.__dict__[_STATE_ATTR]
-    inner = state.previous_forward or types.MethodType(type(model).forward, model)
-    labels = _labels_from(inspect.signature(type(model).forward), model, args, kwargs)
+    inner = state.previous_forward or functools.partial(type(model).forward, model)
+    labels = _labels_from(state.labels_position, args, kwargs)
     use = model.training if fused_loss is None else bool(fused_loss)
     if not use or labels is None or kwargs.get("fused_lm_head"):
         return inner(*args, **kwargs)
@@ -286,7 +301,9 @@ def install_fused_cross_entropy(
         return _forward(self, *args, **kwargs)
 
     bound = types.MethodType(forward, lm)
-    lm.__dict__[_STATE_ATTR] = _State(options, spec, lm.__dict__.get("forward"), bound)
+    lm.__dict__[_STATE_ATTR] = _State(
+        options, spec, lm.__dict__.get("forward"), bound, _labels_position(type(lm).forward)
+    )
     lm.forward = bound
     return model
 
