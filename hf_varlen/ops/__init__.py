@@ -10,6 +10,10 @@
 The names resolve lazily (PEP 562), so ``import hf_varlen.ops`` and the torch-only
 ``hf_varlen.ops.common`` work where triton is not installed; the op modules import triton.
 This package is copied into the generated kernel-hub package: relative imports only.
+
+Every op is also a ``torch.library`` op, ``torch.ops.hf_varlen.*`` (``library.py``; the hub copy
+registers under its own versioned namespace), which the functions above call while torch.compile
+traces; eager calls skip the dispatcher (see each module's docstring).
 """
 
 from __future__ import annotations
