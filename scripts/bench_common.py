@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime
 import importlib.metadata
 import math
+import os
 import subprocess
 from pathlib import Path
 
@@ -24,16 +25,22 @@ def _version(dist: str) -> str:
 
 
 def run_header(**extra) -> dict:
-    """GPU, torch, triton, transformers, liger-kernel versions, git commit ("uncommitted" when the
-    tree has no commits, as on the GPU machine's copy), UTC date, plus ``extra`` fields."""
+    """GPU, torch, triton, transformers, liger-kernel versions, git commit ($HF_VARLEN_COMMIT, else
+    ``git rev-parse``; "uncommitted" when there is none), UTC date, plus ``extra`` fields."""
+    # A copy of the tree made with `git archive` (as sent to the GPU machine) may sit inside a
+    # checkout whose git metadata is stale: HF_VARLEN_COMMIT names the tree's real commit then.
+    commit = os.environ.get("HF_VARLEN_COMMIT", "")
     try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-            cwd=Path(__file__).resolve().parent,
-        ).stdout.strip()
+        commit = (
+            commit
+            or subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"],
+                capture_output=True,
+                text=True,
+                check=True,
+                cwd=Path(__file__).resolve().parent,
+            ).stdout.strip()
+        )
     except (OSError, subprocess.CalledProcessError):
         commit = ""
     return {

@@ -260,9 +260,11 @@ def main(argv=None) -> int:
         print("RESULT " + json.dumps(run_ce(args)))
         return 0
 
-    from bench_common import run_header
+    from bench_common import _version, run_header
 
-    header = run_header(preset=args.preset, batch=args.batch_size, steps=args.steps)
+    header = run_header(
+        trl=_version("trl"), preset=args.preset, batch=args.batch_size, steps=args.steps
+    )
     print(header)
     results = []
     base = [sys.executable, __file__] + [a for a in (argv or sys.argv[1:])]
