@@ -9,35 +9,89 @@ attends only within each packed document, on the fastest varlen attention backen
 
 from __future__ import annotations
 
-from .backends import (
-    available_backends,
-    default_backend,
-    model_backend,
-    register_backend,
-    set_backend,
-)
-from .collator import PackingCollator
-from .functional import varlen_attention
-from .integrations.hub_package import enable_local_hub_kernel, hub_kernel_path
-from .integrations.kernelize import KernelizeReport, kernelize
-from .integrations.loss import (
-    install_fused_cross_entropy,
-    is_fused_cross_entropy_installed,
-    uninstall_fused_cross_entropy,
-)
-from .integrations.transformers import register
-from .packing import (
-    ExampleCountBatchSampler,
-    PackingResult,
-    PackingStats,
-    TokenBudgetBatchSampler,
-    bucket_ladder,
-    pack_by_tokens,
-)
+import importlib
+import importlib.util
+import sys
+from typing import Any
 
 __version__ = "0.1.0"
 
-ATTN_IMPLEMENTATION = register()
+# The public names, resolved on first use (module ``__getattr__``): importing them all would pull
+# in torch and transformers (~5 s), which ``hf-varlen --help`` and the packing helpers do not need.
+_LAZY = {
+    "available_backends": "backends",
+    "default_backend": "backends",
+    "model_backend": "backends",
+    "register_backend": "backends",
+    "set_backend": "backends",
+    "PackingCollator": "collator",
+    "varlen_attention": "functional",
+    "enable_local_hub_kernel": "integrations.hub_package",
+    "hub_kernel_path": "integrations.hub_package",
+    "KernelizeReport": "integrations.kernelize",
+    "kernelize": "integrations.kernelize",
+    "install_fused_cross_entropy": "integrations.loss",
+    "is_fused_cross_entropy_installed": "integrations.loss",
+    "uninstall_fused_cross_entropy": "integrations.loss",
+    "register": "integrations.transformers",
+    "ExampleCountBatchSampler": "packing",
+    "PackingResult": "packing",
+    "PackingStats": "packing",
+    "TokenBudgetBatchSampler": "packing",
+    "bucket_ladder": "packing",
+    "pack_by_tokens": "packing",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    if importlib.util.find_spec(f"{__name__}.{name}") is not None:  # a submodule: hf_varlen.ops
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+def _register() -> None:
+    from .integrations.transformers import register
+
+    register(ATTN_IMPLEMENTATION)
+
+
+class _RegisterWithTransformers:
+    """A one-shot import hook: registers ``varlen_packed`` right after ``transformers`` itself is
+    imported, so the name is there before any transformers model can be built, while
+    ``import hf_varlen`` alone stays cheap."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != "transformers":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_then_register(module):
+            exec_module(module)
+            _register()
+
+        spec.loader.exec_module = exec_then_register  # a per-module loader instance
+        return spec
+
+
+ATTN_IMPLEMENTATION = "varlen_packed"
+# ``import hf_varlen`` registers attn_implementation="varlen_packed" with transformers: now, when
+# transformers is already imported, else the moment it is (before any model can be built).
+if "transformers" in sys.modules:
+    _register()
+else:
+    sys.meta_path.insert(0, _RegisterWithTransformers())
 
 __all__ = [
     "ATTN_IMPLEMENTATION",

@@ -117,7 +117,8 @@ def test_help_is_clean_and_parsing_loads_no_training_loop():
         "import sys, time; t = time.perf_counter(); from hf_varlen import cli; "
         "cli._train_parser().parse_args(['--max-steps', '3']); "
         "print(sorted(m for m in ('hf_varlen.training.loop', 'hf_varlen.training.data', "
-        "'hf_varlen.training.model', 'datasets', 'peft') if m in sys.modules))"
+        "'hf_varlen.training.model', 'datasets', 'peft', 'torch', 'transformers', 'accelerate') "
+        "if m in sys.modules))"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
@@ -129,6 +130,45 @@ def test_help_is_clean_and_parsing_loads_no_training_loop():
     assert "(default: None)" not in text and "GPUs only) (default" not in text
     assert "--on-nonfinite {stop,skip}" in text and "--overwrite-output-dir" in text
     assert "--debug" in text
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["train", "--help"], ["plot", "--help"]])
+def test_help_imports_neither_torch_nor_transformers(argv):
+    """The console script imports the hf_varlen package first: it must stay cheap (was ~6 s)."""
+    code = (
+        "import sys; from hf_varlen.cli import main\n"
+        f"try:\n    main({argv!r})\nexcept SystemExit:\n    pass\n"
+        "print('HEAVY', sorted(m for m in ('torch', 'transformers', 'accelerate', 'triton') "
+        "if m in sys.modules))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "HEAVY []" in proc.stdout, proc.stdout[-500:]
+    assert "usage:" in proc.stdout
+
+
+@pytest.mark.parametrize("first", ["hf_varlen", "transformers"])
+def test_import_hf_varlen_still_registers_varlen_packed(first):
+    """`import hf_varlen` registers the attention and mask functions, whichever comes first."""
+    second = "transformers" if first == "hf_varlen" else "hf_varlen"
+    code = (
+        f"import {first}, {second}\n"
+        "from transformers import AttentionInterface\n"
+        "from transformers.masking_utils import AttentionMaskInterface\n"
+        "import hf_varlen\n"
+        "print(hf_varlen.ATTN_IMPLEMENTATION in AttentionInterface._global_mapping,\n"
+        "      hf_varlen.ATTN_IMPLEMENTATION in AttentionMaskInterface._global_mapping,\n"
+        "      callable(hf_varlen.kernelize), hf_varlen.ops.__name__)"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["True", "True", "True", "hf_varlen.ops"], proc.stdout
 
 
 # --------------------------------------------------------------------------------------------- #
