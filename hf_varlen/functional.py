@@ -9,7 +9,7 @@ cu[-1] == T, max_seqlen >= the true maximum) with ``validate=True`` or ``HF_VARL
 The call is then described once, as ``VarlenMetadata`` + ``AttentionParams``, and handed to the
 backend (hf_varlen/backends/registry.py has the backend signature).
 
-Under torch.compile: the sync-needing checks are skipped (validate / HF_VARLEN_VALIDATE are for
+Under torch.compile (and for fake tensors): the sync-needing checks are skipped (validate / HF_VARLEN_VALIDATE are for
 eager debugging), max_seqlen_q/k may be SymInts, and a backend torch.compile cannot trace
 (``BackendSpec.traceable = False``: sdpa, reference, xformers, fa4) runs as the opaque op of
 backends/opaque.py, so the graph never breaks.
@@ -22,6 +22,7 @@ from numbers import Integral
 import torch
 
 from .backends import AttentionParams, Request, VarlenMetadata, resolve
+from .backends._common import traced
 from .backends.opaque import call_opaque
 from .ops.common import check_offsets, deterministic_requested, env_flag
 
@@ -166,7 +167,8 @@ def varlen_attention(
         (T_q, H_q, D) attention output; an empty pack (T = 0) gives an empty output, and queries
         that see no key give zeros.
     """
-    if torch.compiler.is_compiling():  # the full checks read offsets on the host: eager only
+    symbolic = traced(q)  # compiling, or fake tensors: nothing is read back from the device
+    if symbolic:  # the full checks read offsets on the host: eager only
         if validate:
             raise ValueError(
                 "validate=True reads cu_seqlens on the host (a sync and a graph break); it is not "
@@ -210,6 +212,6 @@ def varlen_attention(
         k = k.contiguous()
     if v.stride(-1) != 1:
         v = v.contiguous()
-    if not spec.traceable and torch.compiler.is_compiling():
+    if symbolic and not spec.traceable:
         return call_opaque(spec.name, q, k, v, metadata, params)  # backends/opaque.py
     return spec.fn(q, k, v, metadata, params)

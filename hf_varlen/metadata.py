@@ -9,7 +9,8 @@ Each derived result is cached on the identity of its source tensors (``ops.commo
 so all layers of a forward pass (which receive the same tensor objects) share one computation:
 at most one host sync per forward, none per layer, and none while ``torch.compile`` traces.
 
-Under torch.compile nothing is read back from a tensor: collator offsets are used as given (the
+Under torch.compile (and for fake tensors, e.g. FakeTensorMode shape propagation) nothing is read
+back from a tensor: collator offsets are used as given (the
 eager coverage check cu[-1] == T is skipped), position_ids become fixed-length (T + 1) offsets
 built on the device (``device_offsets_from_position_ids``), and no cache is consulted.
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from .backends._common import traced
 from .backends.params import VarlenMetadata
 from .ops.common import TensorCache
 
@@ -37,7 +39,34 @@ __all__ = [
     "from_padding_mask",
     "from_position_ids",
     "from_rows",
+    "mark_dynamic_pack",
 ]
+
+# Keys of a packed batch whose last dimension is the token count, and the offsets (n_docs + 1).
+_TOKEN_KEYS = ("input_ids", "labels", "position_ids", "inputs_embeds", "token_type_ids")
+_OFFSET_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k")
+
+
+def mark_dynamic_pack(batch):
+    """Mark a packed batch's token dimension and document count dynamic for torch.compile.
+
+    Call on the batch as the compiled model receives it (after ``.to(device)``, which drops the
+    marks). Without it, automatic dynamic shapes compile a static graph first and then recompile
+    once for every dimension that changes later: the token count on the second pack, the number of
+    documents (cu_seq_lens length) only when it first differs, possibly many packs later. With it,
+    the first graph is already symbolic in both, and only the ``max_length_q/k`` ints (static in
+    the first graph, symbolic after their first change) cost one more: at most 2 compilations.
+    Returns ``batch`` (marked in place; keys it does not know are left alone).
+    """
+    for key in _TOKEN_KEYS:
+        t = batch.get(key)
+        if isinstance(t, torch.Tensor) and t.dim() >= 1:
+            torch._dynamo.maybe_mark_dynamic(t, t.dim() - 1 if key != "inputs_embeds" else 1)
+    for key in _OFFSET_KEYS:
+        t = batch.get(key)
+        if isinstance(t, torch.Tensor) and t.dim() >= 1:
+            torch._dynamo.maybe_mark_dynamic(t, t.dim() - 1)
+    return batch
 
 
 def from_lengths(lengths, device=None) -> VarlenMetadata:
@@ -104,7 +133,7 @@ def from_collator_kwargs(
 
     def build() -> VarlenMetadata:
         flat_q, flat_k = cu_q.reshape(-1), cu_k.reshape(-1)
-        if torch.compiler.is_compiling():  # no sync: ints as given, a 0-d tensor -> the bound T
+        if traced(cu_q):  # no sync: ints as given, a 0-d tensor -> the bound T
             return VarlenMetadata(
                 flat_q, flat_k, _max_traced(max_q, total_q), _max_traced(max_k, total_k)
             )
@@ -162,10 +191,11 @@ def from_position_ids(position_ids: torch.Tensor) -> VarlenMetadata:
     """(1, T) packed position_ids -> documents start where positions do not increase by exactly 1.
 
     Eager: the exact offsets (n_docs + 1 entries) and the true longest document, for one host sync
-    per batch (cached across layers). While compiling: ``device_offsets_from_position_ids`` (T + 1
+    per batch (cached across layers). While compiling (or for fake tensors):
+    ``device_offsets_from_position_ids`` (T + 1
     entries, zero-length documents after the last) and max_seqlen = T, an upper bound; no sync.
     """
-    if torch.compiler.is_compiling():
+    if traced(position_ids):
         cu = device_offsets_from_position_ids(position_ids)
         total = position_ids.numel()
         return VarlenMetadata(cu, cu, total, total)
