@@ -160,21 +160,23 @@ def _train_compiled_vs_eager(
 # ---- the registered ops -------------------------------------------------------------------------
 
 
-def _qkv(t=20, h=4, h_kv=2, d=16, dtype=torch.float32, requires_grad=False):
+def _qkv(t=20, h=4, h_kv=2, d=16, dtype=torch.float32, requires_grad=False, device="cpu"):
     g = torch.Generator().manual_seed(0)
     return tuple(
-        torch.randn(t, n, d, generator=g, dtype=dtype).requires_grad_(requires_grad)
+        torch.randn(t, n, d, generator=g, dtype=dtype).to(device).requires_grad_(requires_grad)
         for n in (h, h_kv, h_kv)
     )
 
 
 CU = [0, 7, 7, 15, 20]  # includes a zero-length document
+# The triton ops run where the kernels run: CUDA when present (triton_op), else the interpreter.
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.mark.parametrize("window,softcap", [((-1, 0), 0.0), ((3, 0), 5.0), ((-1, -1), 0.0)])
 def test_opcheck_triton_attention_ops(window, softcap):
-    q, k, v = _qkv(requires_grad=True)
-    cu = torch.tensor(CU, dtype=torch.int32)
+    q, k, v = _qkv(requires_grad=True, device=DEV)
+    cu = torch.tensor(CU, dtype=torch.int32, device=DEV)
     args = (q, k, v, cu, cu, 0.25, window[0], window[1], softcap, False)
     torch.library.opcheck(forward_op, args)
     out, lse = forward_op(*args)
@@ -195,8 +197,8 @@ def test_opcheck_opaque_attention(backend):
 
 
 def test_triton_attention_compiles_fullgraph_and_matches_eager():
-    q, k, v = _qkv(requires_grad=True)
-    cu = torch.tensor(CU, dtype=torch.int32)
+    q, k, v = _qkv(requires_grad=True, device=DEV)
+    cu = torch.tensor(CU, dtype=torch.int32, device=DEV)
 
     def f(q, k, v, cu):
         return triton_varlen_attention(
@@ -227,8 +229,8 @@ def test_triton_attention_does_not_recompile_per_pack_under_dynamo():
         return triton_varlen_attention(q, k, v, cu, cu, causal=True)
 
     for t, cu in ((20, CU), (13, [0, 5, 13]), (17, [0, 2, 9, 11, 16, 17]), (9, [0, 9])):
-        q, k, v = _qkv(t=t)
-        cu_t = torch.tensor(cu, dtype=torch.int32)
+        q, k, v = _qkv(t=t, device=DEV)
+        cu_t = torch.tensor(cu, dtype=torch.int32, device=DEV)
         want = triton_varlen_attention(q, k, v, cu_t, cu_t, causal=True)
         torch.testing.assert_close(f(q, k, v, cu_t), want, rtol=0, atol=0)
     assert counting.compiles <= 2
