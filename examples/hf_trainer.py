@@ -5,11 +5,12 @@ Each batch of ``per_device_train_batch_size`` examples becomes one ``[1, T]`` ro
 example's attention inside the example, so the loss equals the padded batch's, without the padding.
 The Trainer normalises the loss by the label-token count of the whole step (all accumulation
 micro-batches and ranks: ``average_tokens_across_devices``), and the collator masks every
-example's first label, so no token is trained to predict across an example boundary.
+example's first label, so no token is trained to predict across an example boundary. The loss is
+hf_varlen's fused linear cross-entropy where ``hf-varlen train`` would use it (``--fused-loss``).
 
     python examples/hf_trainer.py                                  # tiny model, built-in data
     python examples/hf_trainer.py --dataset ../shared/data/alpaca/alpaca_5000.json \\
-        --tokenizer ../shared/data/tokenizers/qwen2
+        --tokenizer ../shared/data/tokenizers/qwen2 --batch-size 8 --max-steps 20
     python examples/hf_trainer.py --model Qwen/Qwen2.5-0.5B --dataset tatsu-lab/alpaca
 
 (``hf-varlen train`` does the same with token-budget batches balanced across ranks.)
@@ -28,7 +29,7 @@ from hf_varlen import PackingCollator
 from hf_varlen.training import TrainConfig
 from hf_varlen.training.builtin import byte_tokenizer
 from hf_varlen.training.data import detect_format, load_records, tokenize
-from hf_varlen.training.model import build_model
+from hf_varlen.training.model import build_model, fused_loss_choice
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -42,6 +43,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--max-steps", type=int, default=30)
     p.add_argument("--lr", type=float, default=None, help="default 1e-3 for presets, else 2e-5")
     p.add_argument("--output-dir", default="runs/hf_trainer")
+    p.add_argument(
+        "--fused-loss",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="hf_varlen's fused linear cross-entropy (no [tokens, vocab] logits); auto: as "
+        "`hf-varlen train` (on with CUDA or on the CPU)",
+    )
     args = p.parse_args(argv)
 
     # Data: alpaca/chat/text records -> input_ids + labels (prompt tokens masked with -100).
@@ -74,6 +82,14 @@ def main(argv: list[str] | None = None) -> dict:
             dtype=torch.bfloat16 if torch.cuda.is_available() else torch.float32,
         )
     model.config.use_cache = False
+    # The Trainer passes num_items_in_batch, so the fused loss gives the same per-token mean.
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    fused, why = fused_loss_choice(
+        TrainConfig(fused_loss=args.fused_loss), device, model.config.vocab_size
+    )
+    if fused:
+        hf_varlen.install_fused_cross_entropy(model)
+    print(f"loss: {'hf_varlen fused linear cross-entropy' if fused else 'transformers'} ({why})")
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     trainer = Trainer(

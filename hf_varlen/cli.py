@@ -60,10 +60,13 @@ def _train_parser() -> argparse.ArgumentParser:
 
 def _train(argv: list[str]) -> dict:
     """Parse the flags after ``train``, run, and return the summary."""
-    args = _train_parser().parse_args(argv)
-    import logging
+    from .training.config import config_from_args, parse_train_args
 
-    from .training.config import config_from_args
+    try:
+        args = parse_train_args(_train_parser(), argv)
+    except (ValueError, FileNotFoundError) as exc:  # a bad --config file
+        raise _Failure(exc, USAGE) from exc
+    import logging
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     cfg = config_from_args(args)

@@ -54,15 +54,19 @@ PEAK_TFLOPS_H200 = 790.0  # dense bf16 matmul peak as measured on our H200 (ANCH
 MINIMAL_ATTN = "bench_minimal_varlen"
 
 MODES: dict[str, dict] = {
-    "padded_sdpa": dict(padded=True, fused_kernels="off"),
-    "packed_sdpa": dict(attn_implementation="sdpa", fused_kernels="off"),
-    "packed_flex": dict(attn_implementation="flex_attention", fused_kernels="off"),
-    "minimal_varlen": dict(attn_implementation=MINIMAL_ATTN, fused_kernels="off"),
+    "padded_sdpa": dict(padded=True, fused_kernels="off", fused_loss="off"),
+    "packed_sdpa": dict(attn_implementation="sdpa", fused_kernels="off", fused_loss="off"),
+    "packed_flex": dict(
+        attn_implementation="flex_attention", fused_kernels="off", fused_loss="off"
+    ),
+    "minimal_varlen": dict(attn_implementation=MINIMAL_ATTN, fused_kernels="off", fused_loss="off"),
     "hf_varlen": dict(attn_backend="auto", fused_kernels="on", fused_loss="on"),
     "hf_varlen-attn": dict(attn_backend="torch", fused_kernels="on", fused_loss="on"),
     "hf_varlen-kernels": dict(attn_backend="auto", fused_kernels="off", fused_loss="on"),
     "hf_varlen-loss": dict(attn_backend="auto", fused_kernels="on", fused_loss="off"),
-    "liger_packed": dict(attn_implementation=MINIMAL_ATTN, fused_kernels="off", liger=True),
+    "liger_packed": dict(
+        attn_implementation=MINIMAL_ATTN, fused_kernels="off", fused_loss="off", liger=True
+    ),
 }
 DEFAULT_MODES = "padded_sdpa,packed_sdpa,packed_flex,minimal_varlen,hf_varlen,hf_varlen-attn,hf_varlen-kernels,hf_varlen-loss,liger_packed"
 

@@ -9,7 +9,7 @@
   tiny model's loss falls fast; lengths vary from ~40 to ~400 bytes, so packing has work to do.
 - ``PRESETS``: random-init model shapes by name (``tiny-*`` for CPU runs and tests; ``llama-1b`` and
   ``qwen3-8b`` for the GPU benchmarks: Llama-3.2-1B's and Qwen3-8B's shapes with the tokenizer's
-  vocabulary).
+  vocabulary). ``tiny_shape`` keeps a tiny preset tiny under a large external tokenizer.
 """
 
 from __future__ import annotations
@@ -34,6 +34,29 @@ _TINY = dict(
     rms_norm_eps=1e-6,
     tie_word_embeddings=True,
 )
+# A large vocabulary would make the tied embedding most of a "tiny" model (151,680 x 128 = 19.4M
+# parameters, and 96% of its FLOPs in the LM head): tiny presets halve the hidden size (128 -> 64 ->
+# 32) until vocabulary x hidden fits this many parameters; heads stay 4/2 x 32 (head_dim set).
+TINY_EMBEDDING_PARAMS = 1 << 22
+
+
+def tiny_shape(shape: dict[str, Any], vocab: int) -> dict[str, Any]:
+    """``shape`` (a ``_TINY``-based preset) with the hidden size for a ``vocab``-token embedding."""
+    hidden = shape["hidden_size"]
+    while hidden > 32 and vocab * hidden > TINY_EMBEDDING_PARAMS:
+        hidden //= 2
+    if hidden == shape["hidden_size"]:
+        return shape
+    head_dim = shape.get("head_dim", shape["hidden_size"] // shape["num_attention_heads"])
+    ratio = shape["intermediate_size"] / shape["hidden_size"]
+    return {
+        **shape,
+        "hidden_size": hidden,
+        "intermediate_size": round(hidden * ratio),
+        "head_dim": head_dim,
+    }
+
+
 PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "tiny-llama": ("llama", dict(_TINY)),
     "tiny-qwen2": ("qwen2", dict(_TINY)),

@@ -32,6 +32,8 @@ import zipfile
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .config import TENSORBOARD_DIR
+
 logger = logging.getLogger("hf_varlen.training")
 
 _CKPT = re.compile(r"^checkpoint-(\d+)$")
@@ -207,8 +209,9 @@ def run_artifacts(output_dir: str) -> list[str]:
     if not os.path.isdir(output_dir):
         return []
     found = [f for f in RUN_FILES if os.path.isfile(os.path.join(output_dir, f))]
-    if os.path.isdir(os.path.join(output_dir, "final")):
-        found.append("final/")
+    for folder in ("final", TENSORBOARD_DIR):  # --report-to tensorboard's event files
+        if os.path.isdir(os.path.join(output_dir, folder)):
+            found.append(folder + "/")
     found += [os.path.basename(c) + "/" for c in checkpoints(output_dir)]
     found += [os.path.basename(c) + "/" for c in unfinished_saves(output_dir)]
     return found

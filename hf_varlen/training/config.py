@@ -24,6 +24,14 @@ SCHEDULES = ("cosine", "linear", "constant", "constant_with_warmup")
 OPTIMIZERS = ("adamw", "sgd")
 TOGGLES = ("auto", "on", "off")
 NONFINITE = ("stop", "skip")
+# --report-to: accelerate's tracker name -> the packages that provide it (pip name first).
+TRACKERS = {
+    "tensorboard": ("tensorboard", "tensorboardX"),
+    "wandb": ("wandb",),
+    "trackio": ("trackio",),
+}
+REPORT_TO = ("none", *TRACKERS)
+TENSORBOARD_DIR = "tensorboard"  # under --output-dir
 DEFAULT_TOKENS_PER_BATCH = 4096
 
 
@@ -110,8 +118,9 @@ class TrainConfig:
     )
     fused_loss: str = _opt(
         "auto",
-        "fused chunked linear cross-entropy (never materialises the logits); auto: follows "
-        "--fused-kernels",
+        "fused chunked linear cross-entropy (never materialises the [tokens, vocab] logits); "
+        "auto: on with CUDA or on the CPU, elsewhere from a 32K vocabulary on (independent of "
+        "--fused-kernels; the summary says which loss ran)",
         choices=TOGGLES,
     )
     precision: str = _opt(
@@ -121,6 +130,18 @@ class TrainConfig:
         choices=PRECISIONS,
     )
     gradient_checkpointing: bool = _opt(False, "recompute activations in backward")
+    compile: bool = _opt(
+        False,
+        "torch.compile the model (default mode, fullgraph=True; each batch's token count and "
+        "document count marked dynamic, so changing packs do not recompile); the summary reports "
+        "the compile time and the number of compilations. A compile that fails raises with the "
+        "reason: nothing silently runs eager",
+    )
+    compile_backend: str = _opt(
+        "inductor",
+        "advanced: torch.compile backend for --compile; aot_eager traces without generating "
+        "code (CPU tests, debugging)",
+    )
     # LoRA.
     lora: bool = _opt(False, "train LoRA adapters (needs `peft`)")
     lora_r: int = _opt(16, "LoRA rank")
@@ -168,7 +189,19 @@ class TrainConfig:
         "resume from a checkpoint that lacks a process's random states (fresh random states; "
         "the continuation is then not bit-identical)",
     )
-    log_every: int = _opt(1, "write a metrics line every N steps")
+    log_every: int = _opt(1, "write a metrics line (and send it to --report-to) every N steps")
+    report_to: str = _opt(
+        "none",
+        "experiment tracker (accelerate's trackers): loss, tokens/s, packing efficiency, peak "
+        f"memory, lr and gradient norm every --log-every steps; tensorboard writes event files "
+        f"to OUTPUT_DIR/{TENSORBOARD_DIR}",
+        choices=REPORT_TO,
+    )
+    run_name: str | None = _opt(
+        None,
+        "tracker project name (wandb / trackio project, tensorboard subfolder); default: "
+        "the --output-dir folder name",
+    )
     plot: bool = _opt(False, "write loss / throughput PNGs (needs matplotlib)")
     progress: bool = _opt(True, "show a progress bar")
     peak_tflops: float | None = _opt(
@@ -226,6 +259,7 @@ class TrainConfig:
             ("fused_kernels", TOGGLES),
             ("fused_loss", TOGGLES),
             ("on_nonfinite", NONFINITE),
+            ("report_to", REPORT_TO),
         ):
             if getattr(self, name) not in choices:
                 raise ValueError(
@@ -240,6 +274,14 @@ class TrainConfig:
             raise ImportError(
                 "--plot needs `matplotlib`, which is not installed; "
                 "`pip install 'hf_varlen[plot]'` or drop --plot"
+            )
+        if self.report_to != "none" and not any(
+            importlib.util.find_spec(p) is not None for p in TRACKERS[self.report_to]
+        ):
+            package = TRACKERS[self.report_to][0]
+            raise ImportError(
+                f"--report-to {self.report_to} needs the `{package}` package, which is not "
+                f"installed; `pip install {package}` or drop --report-to"
             )
         if self.overwrite_output_dir and self.resume == "latest":
             raise ValueError(
@@ -265,6 +307,90 @@ class TrainConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def save_yaml(self, path: str) -> None:
+        """Write the options as a ``--config`` file (``hf-varlen train --config PATH`` re-runs)."""
+        import yaml
+
+        header = "# hf-varlen train --config this file (flags given with it override its keys)\n"
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.write(header + yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+
+def _check_value(source: str, key: str, value: Any, hint: str) -> Any:
+    """``value`` for the field ``key`` (annotation ``hint``), or a ValueError naming both."""
+    if value is None and "None" in hint:
+        return None
+    kind = hint.split(" ")[0]
+    ok = {
+        "bool": isinstance(value, bool),
+        "int": isinstance(value, int) and not isinstance(value, bool),
+        "float": isinstance(value, (int, float)) and not isinstance(value, bool),
+        "str": isinstance(value, str),
+    }[kind]
+    if not ok:
+        want = {"bool": "true or false", "int": "an integer", "float": "a number"}
+        raise ValueError(
+            f"--config {source}: {key}: expected {want.get(kind, 'a string')}"
+            f"{' or null' if 'None' in hint else ''}, got {value!r}"
+        )
+    return float(value) if kind == "float" else value
+
+
+def load_config_file(path: str) -> dict[str, Any]:
+    """The options of a YAML ``--config`` file: a mapping whose keys are TrainConfig field names
+    (the flags with underscores: ``max_steps`` for ``--max-steps``). Unknown keys, wrong types and
+    non-mappings are ValueErrors naming the key (and the closest valid one)."""
+    import difflib
+
+    import yaml
+
+    if not os.path.isfile(path):
+        from .sources import closest_existing
+
+        guess = closest_existing(path)
+        raise FileNotFoundError(
+            f"--config {path!r}: no such file" + (f"; did you mean {guess!r}?" if guess else "")
+        )
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = yaml.safe_load(fh)
+    except yaml.YAMLError as exc:
+        raise ValueError(f"--config {path}: not valid YAML: {' '.join(str(exc).split())}") from None
+    data = {} if data is None else data
+    if not isinstance(data, dict):
+        raise ValueError(
+            f"--config {path}: expected a mapping of options (max_steps: 10, ...), got a "
+            f"{type(data).__name__}"
+        )
+    hints = {f.name: str(f.type) for f in dataclasses.fields(TrainConfig)}
+    values = {}
+    for key, value in data.items():
+        if key not in hints:
+            name = str(key)
+            close = name.replace("-", "_")
+            close = (
+                close
+                if close in hints
+                else next(iter(difflib.get_close_matches(close, hints, n=1, cutoff=0.6)), None)
+            )
+            raise ValueError(
+                f"--config {path}: unknown key {name!r}"
+                + (f"; did you mean {close!r}?" if close else "")
+                + " (keys are the flag names with underscores: max_steps for --max-steps)"
+            )
+        values[key] = _check_value(path, key, value, hints[key])
+    return values
+
+
+def parse_train_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Parse ``argv``; a ``--config FILE`` supplies the defaults, so flags override its keys."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config", default=None)
+    known, _ = pre.parse_known_args(argv)
+    if known.config:
+        parser.set_defaults(**load_config_file(known.config))
+    return parser.parse_args(argv)
+
 
 def _flag(name: str) -> str:
     return name.replace("_", "-")
@@ -281,7 +407,15 @@ def _parse_optional(kind: type):
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add one flag per TrainConfig field (booleans get ``--x`` / ``--no-x``)."""
+    """Add one flag per TrainConfig field (booleans get ``--x`` / ``--no-x``), and ``--config``."""
+    parser.add_argument(
+        "--config",
+        metavar="FILE.yaml",
+        default=None,
+        help="YAML file of options: the flag names with underscores as keys (max_steps: 10); "
+        "flags given with it override its keys. Each run saves its resolved options as "
+        "OUTPUT_DIR/config.yaml, which re-runs it",
+    )
     hints = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + _flag(f.name)
@@ -314,4 +448,4 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
         description="Packed, padding-free fine-tuning of a Hugging Face causal LM "
         "(launch with `accelerate launch` for several processes).",
     )
-    return config_from_args(add_train_arguments(parser).parse_args(argv))
+    return config_from_args(parse_train_args(add_train_arguments(parser), argv))

@@ -41,7 +41,8 @@ import torch.nn.functional as F
 from ..ops.common import env_flag
 from ..packing import ExampleCountBatchSampler, TokenBudgetBatchSampler
 from . import checkpoint as ckpt
-from .config import TrainConfig
+from .compiling import ModelCompiler, check_compile
+from .config import TENSORBOARD_DIR, TrainConfig
 from .data import (
     Batcher,
     Examples,
@@ -67,6 +68,9 @@ from .model import (
 )
 
 logger = logging.getLogger("hf_varlen.training")
+CONFIG_FILE = "config.yaml"  # in --output-dir
+# What goes to --report-to each logged step (names as in metrics.jsonl).
+TRACKED = ("loss", "tokens_per_s", "packing_efficiency", "peak_mem_gib", "lr", "grad_norm")
 
 
 def _accepts_loss_kwargs(model) -> bool:
@@ -168,16 +172,27 @@ class PackedTrainer:
 
         cfg.validate()
         check_backend(cfg)
+        check_compile(cfg)
         self.cfg = cfg
         mixed = cfg.precision == "bf16-mixed" or (
             cfg.precision == "auto" and os.environ.get("ACCELERATE_MIXED_PRECISION") == "bf16"
         )
         # Scheduler stepping is ours (one step per optimizer step, not one per process). Without
         # CUDA, cpu=True makes torchrun-launched processes (LOCAL_RANK set) use gloo.
+        trackers = {}
+        if cfg.report_to != "none":  # accelerate's trackers; validate() checked the package
+            from accelerate.utils import ProjectConfiguration
+
+            logging_dir = os.path.join(cfg.output_dir, TENSORBOARD_DIR)
+            trackers = dict(
+                log_with=cfg.report_to,
+                project_config=ProjectConfiguration(cfg.output_dir, logging_dir=logging_dir),
+            )
         self.acc = Accelerator(
             mixed_precision="bf16" if mixed else "no",
             step_scheduler_with_optimizer=False,
             cpu=_cpu_requested(),
+            **trackers,
         )
         self.device = self.acc.device
         self.precision = "bf16-mixed" if mixed else resolve_precision(cfg, self.device)
@@ -190,6 +205,9 @@ class PackedTrainer:
             without_rng=cfg.resume_without_rng,
         )
         self._prepare_output_dir()
+        if self.acc.is_main_process:  # the resolved options: `hf-varlen train --config` re-runs
+            os.makedirs(cfg.output_dir, exist_ok=True)
+            cfg.save_yaml(os.path.join(cfg.output_dir, CONFIG_FILE))
 
         # Data first: its errors are cheaper than loading a model.
         self.tokenizer = load_tokenizer(cfg)
@@ -217,7 +235,7 @@ class PackedTrainer:
         scope_backend(model, cfg)
         if model_hook is not None:
             model_hook(model)
-        self.kernels, fused_ce = apply_kernels(model, cfg, self.device)
+        self.kernels, fused_ce, self.loss_impl = apply_kernels(model, cfg, self.device)
         # The fused CE skips the logits in training; eval asks for it with the wrapped forward's
         # public per-call keyword (hf_varlen.integrations.loss).
         self.eval_kwargs = {"fused_loss": True} if fused_ce else {}
@@ -258,7 +276,9 @@ class PackedTrainer:
             }
         )
         self.acc.register_for_checkpointing(self.scheduler, self.state)
-        self._preflight()
+        self._preflight()  # eager: model errors before any compile
+        self.compiler = ModelCompiler(cfg)
+        self.compiler.compile(self.acc.unwrap_model(self.model))
         if self.resumed_from:
             try:
                 self.acc.load_state(self.resumed_from)
@@ -325,6 +345,12 @@ class PackedTrainer:
         finally:
             self.model.train()
 
+    def _track(self, values: dict[str, Any], step: int) -> None:
+        """Send finite numbers to the --report-to tracker (main process; accelerate skips others)."""
+        if self.cfg.report_to != "none":
+            values = {k: v for k, v in values.items() if v is not None and math.isfinite(v)}
+            self.acc.log(values, step=step)
+
     def _log(self, text: str) -> None:
         if self.acc.is_main_process:
             logger.info(text)
@@ -336,9 +362,9 @@ class PackedTrainer:
         return t.tolist()
 
     def _micro_step(self, mb: MicroBatch, n_items, sync: bool) -> torch.Tensor:
-        inputs = _to_device(mb.inputs, self.device)
+        inputs = self.compiler.mark(_to_device(mb.inputs, self.device))
         ctx = contextlib.nullcontext() if sync else self.acc.no_sync(self.model)
-        with ctx:
+        with ctx, self.compiler.guard():
             loss = _step_loss(self.model, inputs, n_items, self.loss_kwargs)
             if mb.dummy:
                 loss = loss * 0.0
@@ -348,6 +374,7 @@ class PackedTrainer:
     def train_step(self, group: list[list[int]]) -> dict[str, Any]:
         """One optimizer step over this rank's micro-batches ``group``; returns global counts."""
         t0 = time.perf_counter()
+        compiled_before = self.compiler.compilations
         batches = [self.batcher(idx) for idx in group]
         local = sum(b.label_tokens for b in batches)
         if self.acc.num_processes > 1:
@@ -398,6 +425,11 @@ class PackedTrainer:
             "padded_tokens": int(totals[6]),
             "micro_batches": len(group),
             "step_time": time.perf_counter() - t0,
+            **(
+                {"compilations": self.compiler.compilations - compiled_before}
+                if self.compiler.enabled
+                else {}
+            ),
         }
 
     @torch.no_grad()
@@ -410,8 +442,9 @@ class PackedTrainer:
         count = 0
         for idx in self.eval_sampler:
             mb = self.eval_batcher(idx)
-            inputs = _to_device(mb.inputs, self.device)
-            loss = _step_loss(self.model, inputs, 1, self.loss_kwargs, **self.eval_kwargs)
+            inputs = self.compiler.mark(_to_device(mb.inputs, self.device))
+            with self.compiler.guard():
+                loss = _step_loss(self.model, inputs, 1, self.loss_kwargs, **self.eval_kwargs)
             if not mb.dummy:
                 ce += loss.double()
                 count += mb.label_tokens
@@ -426,7 +459,8 @@ class PackedTrainer:
             f"{len(self.train_ex)} train examples in {len(self.sampler)} micro-batches per rank "
             f"and epoch ({stats.real_tokens / max(stats.padded_tokens, 1):.1%} real tokens if "
             f"padded to the longest example of each); {self.total_steps} steps of "
-            f"{cfg.grad_accum} x {self.acc.num_processes} micro-batches; kernels: {self.kernels}"
+            f"{cfg.grad_accum} x {self.acc.num_processes} micro-batches; kernels: {self.kernels}; "
+            f"loss: {self.loss_impl}"
         )
         run_log = RunLogger(
             cfg.output_dir,
@@ -442,6 +476,11 @@ class PackedTrainer:
         )
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+        if cfg.report_to != "none":
+            name = cfg.run_name or os.path.basename(os.path.abspath(cfg.output_dir))
+            # Trackers take flat str/int/float/bool hyperparameters (tensorboard: no None).
+            hparams = {k: "none" if v is None else v for k, v in cfg.to_dict().items()}
+            self.acc.init_trackers(name, config=hparams)
         self.model.train()
         evals: list[dict[str, Any]] = []
         t_origin = time.perf_counter() - st.elapsed
@@ -470,6 +509,7 @@ class PackedTrainer:
                     )
                     if st.step % cfg.log_every == 0 or st.step == self.total_steps:
                         run_log.write(record)
+                        self._track({f"train/{k}": record[k] for k in TRACKED}, st.step)
                     if cfg.eval_every and st.step % cfg.eval_every == 0:
                         evals.append(self._eval_record(run_log, st))
                     if cfg.save_every and st.step % cfg.save_every == 0:
@@ -483,6 +523,8 @@ class PackedTrainer:
                 ckpt.save_checkpoint(self.acc, cfg.output_dir, st)
         finally:
             run_log.close()
+            if cfg.report_to != "none":
+                self.acc.end_training()
         if cfg.save_final:
             ckpt.export_model(
                 self.acc, self.model, self.tokenizer, os.path.join(cfg.output_dir, "final")
@@ -493,6 +535,7 @@ class PackedTrainer:
         result = self.evaluate()
         record = {"step": st.step, "elapsed": st.elapsed, **result}
         run_log.write(record)
+        self._track({"eval/loss": result["eval_loss"]}, st.step)
         run_log.message(f"step {st.step}: eval loss {result['eval_loss']:.4f}")
         return record
 
@@ -525,6 +568,7 @@ class PackedTrainer:
             + ("" if cfg.padded else f" (backend {cfg.attn_backend})"),
             precision=self.precision,
             kernels=self.kernels,
+            loss_impl=self.loss_impl,
             data=data,
             processes=self.acc.num_processes,
             device=str(self.device),
@@ -533,6 +577,7 @@ class PackedTrainer:
             skipped_steps=self.state.skipped,
             skipped_records=self.skipped_records,
             env=environment(self.device),
+            compile=self.compiler.summary(run_log.records),
         )
         if self.acc.is_main_process:
             import json

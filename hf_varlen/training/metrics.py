@@ -281,6 +281,7 @@ def format_summary(s: dict[str, Any]) -> str:
         f"  model       {s['model']} ({s['params'] / 1e6:.2f}M params, {s['trainable'] / 1e6:.2f}M "
         f"trained), {s['mode']}, attention {s['attention']}, precision {s['precision']}",
         f"  kernels     {s['kernels']}",
+        f"  loss fn     {s.get('loss_impl', 'transformers cross-entropy')}",
         f"  data        {s['data']}"
         + (f", {s['skipped_records']} bad records skipped" if s.get("skipped_records") else ""),
         f"  run         {s['steps']} steps on {s['processes']} x {s['device']}, "
@@ -296,6 +297,8 @@ def format_summary(s: dict[str, Any]) -> str:
         "(budget fill)",
         f"  memory      peak {s['peak_mem_gib']:.2f} GiB ({mem_kind})",
     ]
+    if s.get("compile"):
+        lines.append(f"  compile     {s['compile']['text']}")
     if s.get("output_dir"):
         lines.append(f"  output      {s['output_dir']}")
     return "\n".join(lines)

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .builtin import PRESETS, byte_tokenizer
+from .builtin import PRESETS, byte_tokenizer, tiny_shape
 from .config import TrainConfig
 from .sources import hub_access, local_or_hub
 
@@ -103,6 +103,19 @@ def build_model(cfg: TrainConfig, tokenizer, precision: str, device: torch.devic
     if cfg.model in PRESETS:
         model_type, shape = PRESETS[cfg.model]
         vocab = 64 * math.ceil(len(tokenizer) / 64)
+        if cfg.model.startswith("tiny-") and "hidden_size" not in overrides:
+            small = tiny_shape(shape, vocab)
+            if small is not shape:
+                logger.info(
+                    "%s: hidden size %d instead of %d, so that the %s-token embedding stays tiny "
+                    "(--config-overrides hidden_size=%d keeps it)",
+                    cfg.model,
+                    small["hidden_size"],
+                    shape["hidden_size"],
+                    f"{vocab:,}",
+                    shape["hidden_size"],
+                )
+            shape = small
         special = {
             "pad_token_id": tokenizer.pad_token_id,
             "eos_token_id": tokenizer.eos_token_id,
@@ -195,31 +208,66 @@ def scope_backend(model, cfg: TrainConfig) -> None:
         hf_varlen.set_backend(cfg.attn_backend, model=model)
 
 
-def apply_kernels(model, cfg: TrainConfig, device: torch.device) -> tuple[str, bool]:
+# The logits of one micro-batch at this vocabulary (x the token budget x 4 bytes, several copies in
+# backward) dominate memory: 4096 tokens x 32K x 4 B = 0.5 GiB per copy.
+LARGE_VOCAB = 32768
+
+
+def fused_loss_choice(cfg: TrainConfig, device: torch.device, vocab: int) -> tuple[bool, str]:
+    """Whether the fused linear cross-entropy is wanted, and why (for the summary).
+
+    auto: on wherever it saves memory without costing speed: on CUDA (the Triton row kernel), on
+    the CPU (the chunked torch path: the same speed as transformers' loss at a 320-token vocabulary,
+    and no [tokens, vocab] logits at 151K), elsewhere from a ``LARGE_VOCAB`` vocabulary on.
+    Independent of ``--fused-kernels``.
+    """
+    if cfg.fused_loss != "auto":
+        return cfg.fused_loss == "on", f"--fused-loss {cfg.fused_loss}"
+    if device.type in ("cuda", "cpu"):
+        return True, f"auto: on for {device.type.upper()}"
+    if vocab >= LARGE_VOCAB:
+        return True, f"auto: {vocab:,}-token vocabulary"
+    return False, f"auto: {vocab:,}-token vocabulary on {device.type}"
+
+
+def apply_kernels(model, cfg: TrainConfig, device: torch.device) -> tuple[str, bool, str]:
     """Fused kernels (RoPE, GLU, RMSNorm) and the fused cross-entropy via ``hf_varlen.kernelize``.
 
-    ``--fused-kernels`` switches the layer kernels, ``--fused-loss`` the loss (auto: as the
-    kernels), so each part can be measured on its own. Returns (what happened, whether the fused
-    cross-entropy loss was installed). Called on the CPU model before ``accelerator.prepare``
-    moves it, so the target device is passed explicitly.
+    ``--fused-kernels`` switches the layer kernels (auto: on with CUDA), ``--fused-loss`` the loss
+    (auto: ``fused_loss_choice``), so each part can be measured on its own. Returns (what happened
+    to the layers, whether the fused cross-entropy loss was installed, which loss runs and why).
+    Called on the CPU model before ``accelerator.prepare`` moves it, so the target device is passed
+    explicitly.
     """
-
-    def wanted(toggle: str) -> bool:
-        return toggle == "on" or (toggle == "auto" and device.type == "cuda")
-
-    layers = wanted(cfg.fused_kernels)
-    loss = layers if cfg.fused_loss == "auto" else cfg.fused_loss == "on"
-    if not layers and not loss:
+    layers = cfg.fused_kernels == "on" or (cfg.fused_kernels == "auto" and device.type == "cuda")
+    head = model.get_output_embeddings()
+    vocab = int(head.weight.shape[0] if head is not None else model.config.vocab_size)
+    loss, why = fused_loss_choice(cfg, device, vocab)
+    text = ""
+    if not layers:
         reason = "--fused-kernels off" if cfg.fused_kernels == "off" else "auto: no CUDA device"
-        return f"off ({reason})", False
-    from hf_varlen import kernelize
+        text = f"off ({reason})"
+    installed = False
+    if layers or loss:
+        from hf_varlen import kernelize
 
-    report = kernelize(
-        model, rope=layers, glu=layers, rmsnorm=layers, cross_entropy=loss, device=device.type
-    )
-    text = _kernels_text(report)
-    text = text if layers else f"layer kernels off (--fused-kernels); {text}"
-    return text, report.installed("cross_entropy")
+        report = kernelize(
+            model, rope=layers, glu=layers, rmsnorm=layers, cross_entropy=loss, device=device.type
+        )
+        installed = report.installed("cross_entropy")
+        if installed and device.type == "cpu":
+            # Training on the CPU runs the chunked torch path: under TRITON_INTERPRET=1 (kernel
+            # tests) "auto" would pick the Triton interpreter, ~1.7 s more per tiny step.
+            from hf_varlen import install_fused_cross_entropy
+
+            install_fused_cross_entropy(model, backend="torch")  # idempotent: updates the option
+        text = _kernels_text(report) if layers else f"layer kernels {text}; {_kernels_text(report)}"
+        if loss and not installed:
+            failed = report.left_alone.get("cross_entropy", "not installed")
+            why = f"{why}, but the fused loss could not be installed: {failed}"
+            logger.warning("--fused-loss: %s", why)
+    name = "hf_varlen fused linear cross-entropy" if installed else "transformers' cross-entropy"
+    return text, installed, f"{name} ({why})"
 
 
 def _kernels_text(report) -> str:
