@@ -13,11 +13,24 @@ Modes (``--mode``):
     position_ids   padding_free, but the batch keeps only position_ids (what TRL <= 1.15 sends)
     padded         the unpacked reference: padded batches + attention_mask, attention "sdpa"
 
-    python examples/trl_sft.py --dataset ../shared/data/alpaca/alpaca_5000.json \\
-        --tokenizer ../shared/data/tokenizers/qwen2 --mode bfd --max-steps 20
-    python examples/trl_sft.py --model Qwen/Qwen2.5-0.5B --dataset tatsu-lab/alpaca --mode padding_free
+Mixed precision is TRL's default (``bf16=True``: bf16 autocast over fp32 weights, on CPU too;
+``--no-bf16`` for fp32). Hub models are loaded in fp32, as TRL users load them.
 
-With the same examples in one step, every mode gives the same per-token loss (tests/test_trl.py).
+``--fused-loss`` trains with ``hf_varlen.integrations.trl.VarlenSFTTrainer``: the same SFTTrainer,
+but the loss is hf_varlen's fused linear cross-entropy instead of TRL's fused LM head (no
+``entropy`` / ``mean_token_accuracy`` in the logs; see that module).
+
+    python examples/trl_sft.py --dataset ../shared/data/alpaca/alpaca_5000.json \\
+        --tokenizer ../shared/data/tokenizers/qwen2 --mode bfd --max-steps 20 --fused-loss
+    python examples/trl_sft.py --model Qwen/Qwen2.5-0.5B --dataset tatsu-lab/alpaca \\
+        --mode padding_free --batch-size 16 --max-length 1024 --fused-loss
+
+The first takes about 80 s on a 2-core CPU (shared, load 5; without ``--fused-loss``, TRL's head
+under CPU bf16 autocast takes about 190 s): the tiny model still has the tokenizer's 151,936-entry
+vocabulary, so the LM head dominates and the defaults keep a step small (4 examples, or 4 rows of
+up to 128 tokens). With the same examples in one step, every mode gives the
+same per-token loss (tests/test_trl.py), and ``--fused-loss`` the same loss as TRL's head
+(tests/test_trl_fused_loss.py).
 """
 
 from __future__ import annotations
@@ -33,6 +46,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from trl import SFTConfig, SFTTrainer
 
 import hf_varlen
+from hf_varlen.integrations.trl import VarlenSFTTrainer
 
 MODES = ("padding_free", "bfd", "position_ids", "padded")
 PACKED_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
@@ -77,8 +91,10 @@ def load_model(name: str, tokenizer, mode: str, seed: int = 0):
     attn = "sdpa" if mode == "padded" else hf_varlen.ATTN_IMPLEMENTATION
     if name == "tiny-llama":
         return tiny_llama(len(tokenizer), attn, seed)
-    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation=attn, dtype=dtype)
+    # fp32 weights: TRL's bf16=True then autocasts the compute (the master weights stay fp32).
+    model = AutoModelForCausalLM.from_pretrained(
+        name, attn_implementation=attn, dtype=torch.float32
+    )
     model.config.use_cache = False
     return model
 
@@ -97,9 +113,22 @@ class _PositionIdsOnly:
 
 
 def make_trainer(
-    model, tokenizer, dataset: Dataset, mode: str, output_dir: str, **config
+    model,
+    tokenizer,
+    dataset: Dataset,
+    mode: str,
+    output_dir: str,
+    fused_loss: bool = False,
+    max_length: int = 1024,
+    fused_cross_entropy_kwargs: dict | None = None,
+    **config,
 ) -> SFTTrainer:
-    """An SFTTrainer in ``mode`` (see the module docstring); ``config`` overrides SFTConfig fields."""
+    """An SFTTrainer in ``mode`` (see the module docstring); ``config`` overrides SFTConfig fields.
+
+    ``fused_loss``: a ``VarlenSFTTrainer`` (hf_varlen's fused cross-entropy as the loss), with
+    ``fused_cross_entropy_kwargs`` (``install_fused_cross_entropy`` options) when given.
+    ``max_length``: bfd row length and padded truncation (padding-free modes never truncate).
+    Mixed precision is SFTConfig's default (bf16=True) unless ``config`` sets ``bf16``."""
     if mode not in MODES:
         raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
     args = dict(
@@ -108,16 +137,27 @@ def make_trainer(
         save_strategy="no",
         logging_steps=1,
         use_cpu=not torch.cuda.is_available(),
-        bf16=torch.cuda.is_available(),
         padding_free=mode in ("padding_free", "position_ids"),
         packing=mode == "bfd",
         packing_strategy="bfd",
         # TRL refuses padding_free without packing when max_length is set (it would truncate).
-        max_length=None if mode in ("padding_free", "position_ids") else 1024,
+        max_length=None if mode in ("padding_free", "position_ids") else max_length,
     )
     args.update(config)
-    trainer = SFTTrainer(
-        model=model, args=SFTConfig(**args), train_dataset=dataset, processing_class=tokenizer
+    if fused_cross_entropy_kwargs is not None and not fused_loss:
+        raise ValueError("fused_cross_entropy_kwargs: only used with fused_loss=True")
+    extra = {}
+    if fused_loss:
+        trainer_cls = VarlenSFTTrainer
+        extra["fused_cross_entropy_kwargs"] = fused_cross_entropy_kwargs
+    else:
+        trainer_cls = SFTTrainer
+    trainer = trainer_cls(
+        model=model,
+        args=SFTConfig(**args),
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        **extra,
     )
     if mode == "position_ids":
         # Set after construction: TRL checks only the constructor's data_collator argument.
@@ -132,8 +172,23 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--dataset", required=True, help="alpaca-style .json file or hub id")
     p.add_argument("--examples", type=int, default=512, help="use the first N examples")
     p.add_argument("--mode", choices=MODES, default="padding_free")
+    p.add_argument("--batch-size", type=int, default=4, help="examples (bfd: packed rows) per step")
     p.add_argument(
-        "--batch-size", type=int, default=16, help="examples (bfd: packed rows) per step"
+        "--max-length",
+        type=int,
+        default=128,
+        help="bfd row length and padded truncation (padding-free modes keep whole examples)",
+    )
+    p.add_argument(
+        "--bf16",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="TRL's default mixed precision (bf16 autocast over fp32 weights); --no-bf16: fp32",
+    )
+    p.add_argument(
+        "--fused-loss",
+        action="store_true",
+        help="hf_varlen's fused linear cross-entropy as the loss (VarlenSFTTrainer)",
     )
     p.add_argument("--max-steps", type=int, default=20)
     p.add_argument("--lr", type=float, default=None, help="default 1e-3 tiny-llama, else 2e-5")
@@ -149,14 +204,19 @@ def main(argv: list[str] | None = None) -> dict:
         alpaca_dataset(args.dataset, args.examples),
         args.mode,
         args.output_dir,
+        fused_loss=args.fused_loss,
+        max_length=args.max_length,
         per_device_train_batch_size=args.batch_size,
         max_steps=args.max_steps,
         learning_rate=lr,
+        bf16=args.bf16,
     )
     result = trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    loss_name = "hf_varlen fused CE" if args.fused_loss else "TRL fused LM head"
     print(
-        f"{args.mode}: attn {model.config._attn_implementation}, {len(losses)} steps, loss "
+        f"{args.mode}: attn {model.config._attn_implementation}, loss {loss_name}, "
+        f"bf16 {args.bf16}, {len(losses)} steps, loss "
         f"{losses[0]:.4f} -> {losses[-1]:.4f}, {result.metrics['train_runtime']:.1f} s"
     )
     assert all(math.isfinite(x) for x in losses)

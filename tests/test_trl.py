@@ -96,10 +96,11 @@ def _one_step(setup, mode, tmp_path, monkeypatch, max_steps=1, attn=None, **conf
 
 @pytest.mark.slow
 def test_trl_packed_modes_match_unpacked(setup, tmp_path, monkeypatch):
-    ref_loss, ref_norm, ref_seen, _ = _one_step(setup, "padded", tmp_path, monkeypatch)
+    # fp32 throughout (make_trainer keeps SFTConfig's bf16=True default otherwise)
+    ref_loss, ref_norm, ref_seen, _ = _one_step(setup, "padded", tmp_path, monkeypatch, bf16=False)
     assert not ref_seen  # the reference runs sdpa, not varlen_packed
     for mode in ("padding_free", "position_ids", "bfd"):
-        loss, norm, seen, _ = _one_step(setup, mode, tmp_path, monkeypatch)
+        loss, norm, seen, _ = _one_step(setup, mode, tmp_path, monkeypatch, bf16=False)
         assert seen, f"{mode}: varlen_packed was never called"
         call = seen[0]
         if mode == "position_ids":
