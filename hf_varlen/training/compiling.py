@@ -1,0 +1,159 @@
+"""``hf-varlen train --compile``: torch.compile of the training model, counted and never silent.
+
+What ``--compile`` does:
+
+- ``model.compile(backend=--compile-backend, fullgraph=True)`` in place (``nn.Module.compile``, so
+  parameter names, checkpoints and the exported model are those of the eager model), after the
+  eager one-token trial forward. Default mode; ``fullgraph=True`` because the packed path is
+  graph-break free (issue 13): a break would be a host round trip every step, so it is an error
+  that names its source instead of a silent slowdown.
+- Every micro-batch is marked dynamic before the forward (``hf_varlen.metadata.mark_dynamic_pack``:
+  the token dimension and the document count; for padded batches the sequence dimension of the
+  attention mask too), so changing packs do not recompile: one graph for training, one more when
+  the collator's ``max_length`` ints first change. Eval (``model.eval()`` under ``no_grad``) is a
+  graph of its own.
+- Dynamo's recompile limit raises instead of falling back to eager
+  (``fail_on_recompile_limit_hit``), and every compile failure is re-raised as ``CompileError``
+  with the reason and a way out: nothing silently runs eager.
+- The summary reports the number of compilations, the steps that compiled, the first step's time
+  against the later steps' mean, and the estimated compile time (the compiling steps' excess).
+
+``--compile-backend`` (advanced, default ``inductor``): any ``torch._dynamo.list_backends()`` name;
+``aot_eager`` traces forward and backward without generating code (CPU tests, telling Inductor
+failures apart from tracing ones).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any
+
+import torch
+
+from .config import TrainConfig
+
+DEFAULT_BACKEND = "inductor"
+
+
+class CompileError(RuntimeError):
+    """``--compile`` was requested but torch.compile could not honour it (the reason inside)."""
+
+
+def check_compile(cfg: TrainConfig) -> None:
+    """Refuse a ``--compile`` this torch cannot honour, before anything is loaded."""
+    if not cfg.compile:
+        if cfg.compile_backend != DEFAULT_BACKEND:
+            raise ValueError(
+                f"--compile-backend {cfg.compile_backend!r} applies only with --compile; "
+                "pass --compile or drop --compile-backend"
+            )
+        return
+    import torch._dynamo
+    from torch._dynamo import eval_frame
+
+    try:
+        eval_frame.check_if_dynamo_supported()
+        if cfg.compile_backend == "inductor":
+            eval_frame.check_if_inductor_supported()
+    except RuntimeError as exc:
+        raise CompileError(
+            f"--compile: torch.compile is not supported here: {exc}. Hint: drop --compile"
+        ) from exc
+    try:
+        torch._dynamo.lookup_backend(cfg.compile_backend)
+    except Exception as exc:  # InvalidBackend (torch._dynamo.exc): an unknown name
+        raise ValueError(
+            f"--compile-backend {cfg.compile_backend!r}: not a torch.compile backend here; "
+            f"known: {torch._dynamo.list_backends()} (default {DEFAULT_BACKEND!r})"
+        ) from exc
+
+
+class ModelCompiler:
+    """Compiles the model in place and counts its compilations (a wrapper backend)."""
+
+    def __init__(self, cfg: TrainConfig):
+        self.enabled = cfg.compile
+        self.backend = cfg.compile_backend
+        self.compilations = 0
+        self.backend_seconds = 0.0  # inside the backend (code generation), not dynamo's tracing
+
+    def __call__(self, gm, example_inputs):
+        """The torch.compile backend: count, then hand the graph to the real backend."""
+        self.compilations += 1
+        t0 = time.perf_counter()
+        try:
+            return torch._dynamo.lookup_backend(self.backend)(gm, example_inputs)
+        finally:
+            self.backend_seconds += time.perf_counter() - t0
+
+    def compile(self, model) -> None:
+        if self.enabled:
+            model.compile(backend=self, fullgraph=True)
+
+    def mark(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """Mark a device batch dynamic (after ``.to(device)``, which drops marks)."""
+        if self.enabled:
+            from ..metadata import mark_dynamic_pack
+
+            mark_dynamic_pack(inputs)
+            mask = inputs.get("attention_mask")
+            if isinstance(mask, torch.Tensor) and mask.dim() >= 1:  # padded [B, L] batches
+                torch._dynamo.maybe_mark_dynamic(mask, mask.dim() - 1)
+        return inputs
+
+    def guard(self):
+        """Context for every compiled call: no silent eager fallback, failures with a reason."""
+        if not self.enabled:
+            return contextlib.nullcontext()
+        return self._guard()
+
+    @contextlib.contextmanager
+    def _guard(self):
+        import torch._dynamo
+        from torch._dynamo.exc import TorchDynamoException
+
+        try:
+            with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+                yield
+        except TorchDynamoException as exc:
+            reason = " ".join(str(exc).split("\n\n")[0].split())[:1500]
+            raise CompileError(
+                f"--compile: torch.compile(backend={self.backend!r}, fullgraph=True) of the model "
+                f"failed after {self.compilations} compilation(s): {type(exc).__name__}: {reason}. "
+                "Hint: drop --compile to train eagerly, or --compile-backend aot_eager to tell an "
+                "Inductor failure from a tracing one (TORCH_LOGS=graph_breaks,recompiles shows "
+                "where)"
+            ) from exc
+
+    def summary(self, records: list[dict[str, Any]]) -> dict[str, Any] | None:
+        """Compile numbers for the run summary (None without --compile)."""
+        if not self.enabled:
+            return None
+        compiled = [r for r in records if r.get("compilations")]
+        steady = [r["step_time"] for r in records if not r.get("compilations")]
+        later = sum(steady) / len(steady) if steady else None
+        excess = sum(r["step_time"] - (later or 0.0) for r in compiled)
+        first = records[0]["step_time"] if records else None
+        out = {
+            "backend": self.backend,
+            "fullgraph": True,
+            "dynamic": "token dimension and document count marked dynamic",
+            "compilations": self.compilations,
+            "compiled_steps": [r["step"] for r in compiled],
+            "first_step_s": first,
+            "later_step_s": later,
+            "compile_s": excess if later is not None else None,
+            "backend_s": self.backend_seconds,
+        }
+        steps = ", ".join(str(s) for s in out["compiled_steps"]) or "none (eval only)"
+        timing = (
+            f"first step {first:.2f} s vs {later:.3f} s per later step; ~{excess:.1f} s compiling"
+            if later is not None and first is not None
+            else "no step without a compilation to compare with"
+        )
+        out["text"] = (
+            f"torch.compile backend {self.backend}, fullgraph; {self.compilations} "
+            f"compilation(s) (steps {steps}); {timing}"
+        )
+        return out
