@@ -6,6 +6,8 @@ TRL's defaults for mixed precision (``bf16=True``: bf16 autocast over fp32 weigh
 used to crash ``varlen_packed``), on the same alpaca examples in the same order:
 
     varlen_kernelize   attn "varlen_packed" (auto backend) + hf_varlen.kernelize layer kernels
+    varlen_fusedce     varlen_kernelize, trained by hf_varlen.integrations.trl.VarlenSFTTrainer:
+                       the loss is hf_varlen's fused linear cross-entropy, not TRL's head
     varlen             attn "varlen_packed", no layer kernels
     sdpa               attn "sdpa": TRL's padding-free path on transformers' own attention
     liger              attn "sdpa" + ``use_liger_kernel=True`` (TRL keeps its own LM head)
@@ -13,7 +15,7 @@ used to crash ``varlen_packed``), on the same alpaca examples in the same order:
 each under ``--strategies`` padding_free (SFTConfig(padding_free=True)) and bfd
 (SFTConfig(packing=True, packing_strategy="bfd")). TRL 1.16 always runs its own fused LM head
 (``trl.trainer.utils.add_fused_lm_head``: per-token log-probs, no full logits), so the
-cross-entropy is TRL's in every cell; the ``ce`` stage times that head against hf_varlen's
+cross-entropy is TRL's in every cell but varlen_fusedce; the ``ce`` stage times that head against hf_varlen's
 ``fused_linear_cross_entropy`` on one (tokens, hidden) x (vocab, hidden) problem, forward+backward.
 
 Metrics per cell, over the steps after ``--warmup``: real tokens/s (input tokens of the packed
@@ -38,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT / "examples"))
 
-MODES = ("varlen_kernelize", "varlen", "sdpa", "liger")
+MODES = ("varlen_kernelize", "varlen_fusedce", "varlen", "sdpa", "liger")
 STRATEGIES = ("padding_free", "bfd")
 
 
@@ -72,6 +74,17 @@ def _runs_trl_head(model) -> bool:
     return False
 
 
+def _lm_head(trainer, model) -> str:
+    """Which head computed the training loss."""
+    from hf_varlen import is_fused_cross_entropy_installed
+    from hf_varlen.integrations.trl import VarlenSFTTrainer
+
+    if isinstance(trainer, VarlenSFTTrainer):
+        assert is_fused_cross_entropy_installed(model)
+        return "hf_varlen fused CE (VarlenSFTTrainer)"
+    return "trl fused head" if _runs_trl_head(model) else "model forward"
+
+
 def run_cell(args) -> dict:
     """One (mode, strategy) cell in this process; returns its metrics."""
     import torch
@@ -87,7 +100,9 @@ def run_cell(args) -> dict:
     model = model.cuda() if cuda else model
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     kernels = "off"
-    if args.mode == "varlen_kernelize":
+    fused = args.mode == "varlen_fusedce"
+    if args.mode in ("varlen_kernelize", "varlen_fusedce"):
+        # varlen_fusedce: VarlenSFTTrainer installs the fused loss itself.
         report = hf_varlen.kernelize(model, cross_entropy=False, device="cuda" if cuda else "cpu")
         kernels = str(report)
     tokens: list[int] = []
@@ -112,6 +127,7 @@ def run_cell(args) -> dict:
         alpaca_dataset(args.dataset, args.examples),
         args.strategy,
         str(Path(args.out) / f"{args.mode}-{args.strategy}"),
+        fused_loss=fused,
         per_device_train_batch_size=args.batch_size,
         max_steps=args.steps,
         learning_rate=2e-5,
@@ -144,7 +160,7 @@ def run_cell(args) -> dict:
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
         "loss_first": losses[0] if losses else None,
         "loss_last": losses[-1] if losses else None,
-        "lm_head": "trl fused head" if _runs_trl_head(model) else "model forward",
+        "lm_head": _lm_head(trainer, model),
         "attn": model.config._attn_implementation,
         "kernels": kernels,
     }
