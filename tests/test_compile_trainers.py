@@ -15,8 +15,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch._dynamo
+
+# transformers before hf_varlen: `import hf_varlen` then `import trl` leaves varlen_packed
+# unregistered (trl's find_spec('transformers') consumes hf_varlen's one-shot import hook; reported)
+import transformers  # noqa: F401
 from torch._dynamo.utils import counters
 
+import hf_varlen  # noqa: F401  (registers varlen_packed with transformers)
 from hf_varlen.testing import assert_numerics
 from hf_varlen.training import PackedTrainer, TrainConfig
 from hf_varlen.training.compiling import CompileError
@@ -97,3 +102,162 @@ def test_train_compile_failure_raises_with_the_reason(tmp_path):
     with pytest.raises(CompileError, match="this backend refuses every graph") as info:
         trainer.run()
     assert "--compile-backend aot_eager" in str(info.value)
+
+
+# ---- HF Trainer and TRL SFTTrainer with torch_compile=True ----------------------------------------
+
+VOCAB = 97
+
+
+def _llama(dtype):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        use_cache=False,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="varlen_packed")
+    return model.to(dtype)
+
+
+def _rows(n=24, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(3, 20, (n,), generator=g).tolist()
+    return [{"input_ids": torch.randint(1, VOCAB, (k,), generator=g).tolist()} for k in lengths]
+
+
+class _Recorder:
+    """Per-step training losses, unrounded (Trainer logs them rounded to 4 digits)."""
+
+    @staticmethod
+    def wrap(trainer_cls):
+        class Recording(trainer_cls):
+            def compute_loss(self, model, inputs, *args, **kwargs):
+                out = super().compute_loss(model, inputs, *args, **kwargs)
+                loss = out[0] if isinstance(out, tuple) else out
+                self.recorded.append(loss.detach().double().item())
+                return out
+
+        Recording.recorded = None
+        return Recording
+
+
+def _compile_args(compile_):
+    return (
+        dict(torch_compile=True, torch_compile_backend="aot_eager")
+        if compile_
+        else dict(torch_compile=False)
+    )
+
+
+def _hf_losses(tmp_path, dtype, compile_, steps=4):
+    from transformers import Trainer, TrainingArguments
+
+    args = TrainingArguments(
+        output_dir=str(tmp_path / f"hf-{dtype}-{compile_}"),
+        use_cpu=True,
+        per_device_train_batch_size=4,
+        max_steps=steps,
+        learning_rate=1e-3,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        seed=0,
+        data_seed=0,
+        **_compile_args(compile_),
+    )
+    cls = _Recorder.wrap(Trainer)
+    trainer = cls(
+        model=_llama(dtype),
+        args=args,
+        train_dataset=_rows(),
+        data_collator=hf_varlen.PackingCollator(),
+    )
+    trainer.recorded = []
+    trainer.train()
+    return torch.tensor(trainer.recorded, dtype=torch.float64), trainer
+
+
+def _graphs():
+    return counters["stats"]["unique_graphs"]
+
+
+def test_hf_trainer_torch_compile_packing_collator(tmp_path):
+    lo, _ = _hf_losses(tmp_path, torch.float32, False)
+    hi, _ = _hf_losses(tmp_path, torch.float64, False)
+    _fresh()
+    x, trainer = _hf_losses(tmp_path, torch.float32, True)
+    assert trainer.args.torch_compile and _graphs() >= 1, "Trainer did not compile the model"
+    assert dict(counters["graph_break"]) == {}, dict(counters["graph_break"])
+    assert len(x) == len(lo) == len(hi) == 4
+    assert_numerics("Trainer(torch_compile=True) + PackingCollator losses", x, hi, lo)
+
+
+def _trl_losses(tmp_path, dtype, compile_, steps=4, fused=False):
+    pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    from trl import SFTConfig, SFTTrainer
+
+    from hf_varlen.training.builtin import byte_tokenizer
+
+    args = SFTConfig(
+        output_dir=str(tmp_path / f"trl-{dtype}-{compile_}-{fused}"),
+        use_cpu=True,
+        bf16=False,
+        padding_free=True,
+        max_length=None,
+        per_device_train_batch_size=4,
+        max_steps=steps,
+        learning_rate=1e-3,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        seed=0,
+        data_seed=0,
+        **_compile_args(compile_),
+    )
+    if fused:
+        from hf_varlen.integrations.trl import VarlenSFTTrainer as SFTTrainer
+    cls = _Recorder.wrap(SFTTrainer)
+    trainer = cls(
+        model=_llama(dtype),
+        args=args,
+        train_dataset=datasets.Dataset.from_list(_rows()),
+        processing_class=byte_tokenizer(),
+    )
+    trainer.recorded = []
+    trainer.train()
+    return torch.tensor(trainer.recorded, dtype=torch.float64), trainer
+
+
+# TRL 1.16's SFTTrainer always installs its own fused LM head (trl.models add_fused_lm_head, for the
+# entropy / token-accuracy metrics and the loss); its chunked log-prob kernel writes each logits tile
+# with ``torch.mm(..., out=tile)`` into a non-contiguous slice of a buffer
+# (trl/kernels/chunked_logprob.py), which Dynamo cannot trace (graph break gb0242, "Attempted to
+# call op with non-contiguous `out=` tensor"): the model graph breaks there, in TRL's head, not in
+# hf_varlen's attention. With hf_varlen's fused loss (VarlenSFTTrainer: the head is unused) the
+# whole model compiles with no graph break.
+TRL_HEAD_BREAK = "non-contiguous `out=` tensor"
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["SFTTrainer", "VarlenSFTTrainer"])
+def test_trl_sft_trainer_padding_free_torch_compile(tmp_path, fused):
+    lo, _ = _trl_losses(tmp_path, torch.float32, False, fused=fused)
+    hi, _ = _trl_losses(tmp_path, torch.float64, False, fused=False)  # fp64: TRL's own loss
+    _fresh()
+    x, trainer = _trl_losses(tmp_path, torch.float32, True, fused=fused)
+    assert trainer.args.torch_compile and _graphs() >= 1, "SFTTrainer did not compile the model"
+    breaks = dict(counters["graph_break"])
+    if fused:
+        assert breaks == {}, breaks
+    else:  # only TRL's head breaks (see above); anything else would be ours
+        assert breaks and all(TRL_HEAD_BREAK in reason for reason in breaks), breaks
+    assert len(x) == len(lo) == len(hi) == 4
+    assert_numerics(f"{type(trainer).__name__}(padding_free, torch_compile) losses", x, hi, lo)
