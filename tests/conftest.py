@@ -7,6 +7,7 @@ with a loud reason, and the session summary repeats how many were skipped and ho
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -61,3 +62,14 @@ def _seeded_global_rng():
 @pytest.fixture
 def shared_data():
     return shared_data_path
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state():
+    """accelerate keeps one process-wide AcceleratorState: a test that trained with bf16 (HF
+    Trainer, TRL) would make the next Accelerator() with another mixed precision raise. Reset it
+    after every test that touched it (without importing accelerate for the tests that did not)."""
+    yield
+    state = sys.modules.get("accelerate.state")
+    if state is not None:
+        state.AcceleratorState._reset_state(reset_partial_state=True)
