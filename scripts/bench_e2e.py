@@ -18,6 +18,16 @@ Modes (``--modes``, comma-separated):
     hf_varlen-kernels    attribution: hf_varlen without the RoPE/GLU/RMSNorm kernels
     hf_varlen-loss       attribution: hf_varlen without the fused cross-entropy
     liger_packed         minimal_varlen + Liger (rope, swiglu, rmsnorm, fused linear CE), if installed
+    hf_varlen-compile    hf_varlen under ``hf-varlen train --compile`` (Inductor, fullgraph, every
+                         pack marked dynamic: hf_varlen.training.compiling)
+    minimal_varlen-compile  minimal_varlen under plain ``torch.compile(model)`` (default everything:
+                         no fullgraph, automatic dynamic shapes), applied to the training model
+                         after the trainer's eager trial forward: what a user would write, the
+                         honest anchor for the compiled hf_varlen
+
+Compile modes also report per cell: the compilations (dynamo's unique graphs, this run's process),
+graph breaks, the first step's time, and the compile time estimate: the warm-up steps' excess over
+the steady step time.
 
 Metrics per run, over the steps after ``--warmup``: real tokens/s, peak GiB
 (``max_memory_allocated``), MFU = model FLOPs incl. attention / ``--peak-tflops`` (790 on the H200,
@@ -67,8 +77,16 @@ MODES: dict[str, dict] = {
     "liger_packed": dict(
         attn_implementation=MINIMAL_ATTN, fused_kernels="off", fused_loss="off", liger=True
     ),
+    "hf_varlen-compile": dict(
+        attn_backend="auto", fused_kernels="on", fused_loss="on", compile=True
+    ),
+    "minimal_varlen-compile": dict(
+        attn_implementation=MINIMAL_ATTN, fused_kernels="off", fused_loss="off", plain_compile=True
+    ),
 }
 DEFAULT_MODES = "padded_sdpa,packed_sdpa,packed_flex,minimal_varlen,hf_varlen,hf_varlen-attn,hf_varlen-kernels,hf_varlen-loss,liger_packed"
+COMPILE_MODES = "minimal_varlen,minimal_varlen-compile,hf_varlen,hf_varlen-compile"
+BENCH_ONLY = ("liger", "plain_compile")  # mode keys that are not TrainConfig fields
 
 
 # --------------------------------------------------------------------------------------------- #
@@ -131,7 +149,7 @@ def mode_unavailable(mode: str, device: str) -> str | None:
 def train_config(run: dict, device: str):
     from hf_varlen.training import TrainConfig
 
-    spec = {k: v for k, v in MODES[run["mode"]].items() if k != "liger"}
+    spec = {k: v for k, v in MODES[run["mode"]].items() if k not in BENCH_ONLY}
     if device != "cuda" and spec.get("fused_kernels") == "on":
         spec["fused_kernels"] = "auto"  # CPU smoke runs: the layer kernels are GPU kernels
     overrides = f"num_hidden_layers={run['layers']}" if run.get("layers") else None
@@ -155,6 +173,11 @@ def train_config(run: dict, device: str):
         save_final=False,
         progress=False,
         peak_tflops=run["peak_tflops"],
+        **(
+            {"compile_backend": run.get("compile_backend", "inductor")}
+            if spec.get("compile")
+            else {}
+        ),
         **spec,
     )
 
@@ -162,6 +185,8 @@ def train_config(run: dict, device: str):
 def run_one(run: dict) -> dict:
     """Train one configuration; return its metrics (``status`` "ok", "OOM" or "skipped: why")."""
     import torch
+    import torch._dynamo
+    from torch._dynamo.utils import counters
 
     from hf_varlen.training import PackedTrainer
 
@@ -170,8 +195,12 @@ def run_one(run: dict) -> dict:
     if why := mode_unavailable(run["mode"], device):
         return {"status": f"skipped: {why}"}
     hook = liger_hook if MODES[run["mode"]].get("liger") else None
+    torch._dynamo.reset()  # --no-isolate: each run counts its own compilations
+    counters.clear()
     try:
         trainer = PackedTrainer(train_config(run, device), model_hook=hook)
+        if MODES[run["mode"]].get("plain_compile"):
+            trainer.acc.unwrap_model(trainer.model).compile()  # == torch.compile(model), in place
         if run.get("profile"):
             return profile_step(trainer, run)
         trainer.run()
@@ -196,6 +225,24 @@ def run_one(run: dict) -> dict:
         "elapsed": [r["elapsed"] for r in records],
         "kernels": trainer.kernels,
         "params": trainer.params,
+        **compile_stats(run, records, steady),
+    }
+
+
+def compile_stats(run: dict, records: list[dict], steady: list[dict]) -> dict:
+    """Per-cell compile numbers of a compile mode (empty for eager modes)."""
+    spec = MODES[run["mode"]]
+    if not (spec.get("compile") or spec.get("plain_compile")):
+        return {}
+    from torch._dynamo.utils import counters
+
+    step = sum(r["step_time"] for r in steady) / len(steady)
+    warm = records[: run["warmup"]]
+    return {
+        "compilations": int(counters["stats"]["unique_graphs"]),
+        "graph_breaks": int(sum(counters["graph_break"].values())),
+        "first_step_s": records[0]["step_time"],
+        "compile_s": sum(max(0.0, r["step_time"] - step) for r in warm),
     }
 
 
@@ -355,6 +402,11 @@ def parse_args(argv=None):
         "--no-isolate", dest="isolate", action="store_false", help="runs in this process"
     )
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
+    p.add_argument(
+        "--compile-backend",
+        default="inductor",
+        help="torch.compile backend of hf_varlen-compile (aot_eager: CPU smoke runs)",
+    )
     p.add_argument("--one", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -416,6 +468,7 @@ def main(argv=None) -> list[dict]:
             seed=args.seed,
             precision=precision,
             peak_tflops=peak,
+            compile_backend=args.compile_backend,
             run_dir=str(
                 out
                 / f"run{i:03d}_{run['model']}_{run['data']}_L{run['max_length']}_B{run['batch_size']}_{run['mode']}"

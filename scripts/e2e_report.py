@@ -29,7 +29,11 @@ def fmt_cell(r: dict) -> str:
         return r.get("status", "?").split(":")[0]
     if "tokens_per_s" not in r:  # a profiled step
         return f"profiled step {r['step_ms']:.1f} ms"
-    return f"{r['tokens_per_s'] / 1e3:.1f}K, {r['peak_gib']:.1f} GiB"
+    text = f"{r['tokens_per_s'] / 1e3:.1f}K, {r['peak_gib']:.1f} GiB"
+    if "compile_s" in r:  # compile modes (bench_e2e.compile_stats)
+        breaks = f", {r['graph_breaks']} breaks" if r.get("graph_breaks") else ""
+        text += f", compile {r['compile_s']:.0f} s ({r['compilations']} graphs{breaks})"
+    return text
 
 
 def write_tables(results: list[dict], padding: list[dict], header: dict, path: Path) -> None:

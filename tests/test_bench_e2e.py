@@ -155,3 +155,52 @@ def test_minimal_varlen_adapter_matches_padded(monkeypatch, gqa_flag):
         ids[i, : len(d)], mask[i, : len(d)], labels[i, : len(d)] = d, 1, d
     loss_padded = model(input_ids=ids, attention_mask=mask, labels=labels).loss
     torch.testing.assert_close(loss_packed, loss_padded)
+
+
+def test_compile_modes_configuration():
+    """hf_varlen-compile is hf_varlen under --compile (backend from --compile-backend);
+    minimal_varlen-compile is minimal_varlen with no trainer compile (the bench applies plain
+    torch.compile itself) and needs CUDA like minimal_varlen."""
+    run = dict(
+        model="tiny-llama", tokenizer="bytes", dataset="builtin", max_length=64, batch_size=2,
+        steps=2, lr=1e-3, precision="fp32", seed=0, run_dir="unused", peak_tflops=None,
+    )  # fmt: skip
+    cfg = bench_e2e.train_config({**run, "mode": "hf_varlen-compile"}, "cuda")
+    eager = bench_e2e.train_config({**run, "mode": "hf_varlen"}, "cuda")
+    assert cfg.compile and cfg.compile_backend == "inductor" and not eager.compile
+    assert {k: v for k, v in vars(cfg).items() if not k.startswith("compile")} == {
+        k: v for k, v in vars(eager).items() if not k.startswith("compile")
+    }
+    cpu = bench_e2e.train_config(
+        {**run, "mode": "hf_varlen-compile", "compile_backend": "aot_eager"}, "cpu"
+    )
+    assert cpu.compile_backend == "aot_eager"
+    minimal = bench_e2e.train_config({**run, "mode": "minimal_varlen-compile"}, "cuda")
+    assert not minimal.compile and minimal.attn_implementation == bench_e2e.MINIMAL_ATTN
+    assert bench_e2e.MODES["minimal_varlen-compile"]["plain_compile"]
+    assert bench_e2e.mode_unavailable("minimal_varlen-compile", "cpu") == (
+        "torch varlen_attn needs CUDA"
+    )
+    args = bench_e2e.parse_args(["--modes", bench_e2e.COMPILE_MODES])
+    assert args.modes == bench_e2e.COMPILE_MODES.split(",") and args.compile_backend == "inductor"
+
+
+@pytest.mark.slow
+def test_hf_varlen_compile_mode_runs_on_cpu(tmp_path):
+    """CPU smoke: hf_varlen-compile under aot_eager trains the same losses as hf_varlen and
+    reports its compile numbers per cell (minimal_varlen-compile needs CUDA: reported skipped)."""
+    modes = "hf_varlen,hf_varlen-compile,minimal_varlen-compile"
+    results = bench_e2e.main(
+        COMMON
+        + ["--batch-sizes", "4", "--modes", modes, "--out", str(tmp_path), "--no-isolate"]
+        + ["--compile-backend", "aot_eager"]
+    )
+    runs = _by_mode(results, 4)
+    eager, compiled = runs["hf_varlen"], runs["hf_varlen-compile"]
+    assert compiled["status"] == "ok", compiled["status"]
+    assert runs["minimal_varlen-compile"]["status"] == "skipped: torch varlen_attn needs CUDA"
+    assert 1 <= compiled["compilations"] <= 2 and compiled["graph_breaks"] == 0, compiled
+    assert compiled["compile_s"] >= 0 and compiled["first_step_s"] > 0
+    assert "compilations" not in eager
+    assert compiled["losses"] == pytest.approx(eager["losses"], rel=1e-5)
+    assert "compile" in (tmp_path / "e2e_tables.md").read_text()
