@@ -261,3 +261,19 @@ def test_trl_sft_trainer_padding_free_torch_compile(tmp_path, fused):
         assert breaks and all(TRL_HEAD_BREAK in reason for reason in breaks), breaks
     assert len(x) == len(lo) == len(hi) == 4
     assert_numerics(f"{type(trainer).__name__}(padding_free, torch_compile) losses", x, hi, lo)
+
+
+@pytest.mark.gpu
+def test_train_compile_inductor_gpu(tmp_path):
+    """GPU: ``--compile`` with Inductor (triton attention, kernelize, fused loss), bf16: <= 2
+    compilations, no graph break, per-step losses by the rule (ref_hi: eager fp32, ref_lo: eager
+    bf16)."""
+    kw = dict(precision="bf16")
+    lo, _, _ = _losses(_tiny(tmp_path, "lo", **kw))
+    hi, _, _ = _losses(_tiny(tmp_path, "hi", precision="fp32"))
+    _fresh()
+    x, summary, _ = _losses(_tiny(tmp_path, "x", compile=True, **kw))
+    assert dict(counters["graph_break"]) == {}, dict(counters["graph_break"])
+    assert 1 <= summary["compile"]["compilations"] <= 2, summary["compile"]
+    assert summary["compile"]["backend"] == "inductor"
+    assert_numerics("--compile inductor bf16 losses", x.float(), hi, lo.float())
