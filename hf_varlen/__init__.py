@@ -64,24 +64,34 @@ def _register() -> None:
 
 
 class _RegisterWithTransformers:
-    """A one-shot import hook: registers ``varlen_packed`` right after ``transformers`` itself is
-    imported, so the name is there before any transformers model can be built, while
-    ``import hf_varlen`` alone stays cheap."""
+    """An import hook: registers ``varlen_packed`` right after ``transformers`` itself is imported,
+    so the name is there before any transformers model can be built, while ``import hf_varlen``
+    alone stays cheap. It stays in ``sys.meta_path`` until transformers has really been executed:
+    a bare ``importlib.util.find_spec("transformers")`` (TRL and accelerate probe packages that
+    way) must not use it up."""
+
+    def __init__(self) -> None:
+        self._looking = False  # our own find_spec below goes through sys.meta_path again
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname != "transformers":
+        if fullname != "transformers" or self._looking:
             return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(fullname)
+        self._looking = True
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            self._looking = False
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
         exec_module = spec.loader.exec_module
 
         def exec_then_register(module):
             exec_module(module)
+            if self in sys.meta_path:
+                sys.meta_path.remove(self)
             _register()
 
-        spec.loader.exec_module = exec_then_register  # a per-module loader instance
+        spec.loader.exec_module = exec_then_register  # a per-spec loader instance
         return spec
 
 

@@ -150,12 +150,21 @@ def test_help_imports_neither_torch_nor_transformers(argv):
     assert "usage:" in proc.stdout
 
 
-@pytest.mark.parametrize("first", ["hf_varlen", "transformers"])
-def test_import_hf_varlen_still_registers_varlen_packed(first):
-    """`import hf_varlen` registers the attention and mask functions, whichever comes first."""
-    second = "transformers" if first == "hf_varlen" else "hf_varlen"
+@pytest.mark.parametrize(
+    "imports",
+    [
+        "import hf_varlen, transformers",
+        "import transformers, hf_varlen",
+        # TRL (and accelerate) probe with find_spec('transformers') before importing it: the
+        # probe must not use up the registration hook
+        "import hf_varlen, importlib.util; importlib.util.find_spec('transformers'); import transformers",
+        "import hf_varlen, trl",
+    ],
+)
+def test_import_hf_varlen_still_registers_varlen_packed(imports):
+    """`import hf_varlen` registers the attention and mask functions, whatever comes first."""
     code = (
-        f"import {first}, {second}\n"
+        f"{imports}\n"
         "from transformers import AttentionInterface\n"
         "from transformers.masking_utils import AttentionMaskInterface\n"
         "import hf_varlen\n"

@@ -349,7 +349,9 @@ def kernelize(
     )
     _undo(model)
     kinds = [kind for kind, on in (("rmsnorm", rmsnorm), ("rope", rope), ("glu", glu)) if on]
-    if kinds and (why := _triton_problem()):  # hub_layers imports the Triton ops: do not plan
+    if not kinds:  # only the loss asked for: nothing to plan, and no Triton import
+        targets, report.left_alone = [], {}
+    elif why := _triton_problem():  # hub_layers imports the Triton ops: do not plan
         targets, report.left_alone = [], dict.fromkeys(kinds, why)
     else:
         from . import hub_layers as helpers
