@@ -4,6 +4,7 @@ deterministic flag reaching the kernel, and no logging while compiling."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -162,6 +163,8 @@ def test_auto_logs_once_and_never_while_compiling(monkeypatch, caplog):
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
     registry.resolve("auto", req)
     registry.resolve("auto", req)
+    # the same choice for a call with other features (a no-grad trial forward, then training)
+    registry.resolve("auto", dataclasses.replace(req, needs_grad=not req.needs_grad))
     assert len(caplog.records) == 1 and "chose 'sdpa'" in caplog.records[0].getMessage()
 
 

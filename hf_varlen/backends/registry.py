@@ -281,8 +281,10 @@ def resolve(name: str, req: Request) -> BackendSpec:
         if missing:
             tried.append(f"{cand}: {'; '.join(missing)}")
             continue
-        key = (cand, req)
-        # Logged once per choice, and never from inside a traced region (no side effects there).
+        # Logged once per process for each (backend, device, dtype) it picks — not per feature set,
+        # so a no-grad trial forward and the training steps do not log the same choice twice —
+        # and never from inside a traced region (no side effects there).
+        key = (cand, req.device, req.dtype)
         if key not in _AUTO_LOGGED and not torch.compiler.is_compiling():
             _AUTO_LOGGED.add(key)
             logger.info("hf_varlen: backend='auto' chose %r for %s %s", cand, req.device, req.dtype)
