@@ -45,8 +45,10 @@ def _double(model):
 
 @pytest.mark.parametrize("batching", ["budget", "batch_size"])
 def test_static_shapes_losses_equal_unbucketed(tmp_path, batching):
-    kw = dict(tokens_per_batch=384) if batching == "budget" else dict(
-        tokens_per_batch=None, batch_size=3
+    kw = (
+        dict(tokens_per_batch=384)
+        if batching == "budget"
+        else dict(tokens_per_batch=None, batch_size=3)
     )
     budget = 384 if batching == "budget" else 3 * 128
     lo, plain, plain_recs = _run(_tiny(tmp_path, "lo", **kw))

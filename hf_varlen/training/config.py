@@ -103,6 +103,16 @@ class TrainConfig:
     pad_to_multiple_of: int | None = _opt(
         None, "pad each packed micro-batch to a multiple of this many tokens (a separate segment)"
     )
+    static_shapes: bool = _opt(
+        False,
+        "packed runs: pad every micro-batch to a rung of hf_varlen.bucket_ladder(token budget) "
+        "(the budget is --tokens-per-batch, or --batch-size x --max-length) and give cu_seq_lens "
+        "a fixed length (the batch sampler's max_documents + 2; zero-length documents fill it), "
+        "so --compile and CUDA graphs see a few static shapes. The padding is its own segment with "
+        "no label: loss, tokens/s, MFU and packing efficiency count real tokens only; the summary "
+        "gives the distinct shapes and the padding share. Not with --padded or "
+        "--pad-to-multiple-of",
+    )
     # Baseline and attention.
     padded: bool = _opt(
         False, "padded baseline: same data and order, padded [B, L] batches, attention 'sdpa'"
@@ -227,6 +237,16 @@ class TrainConfig:
                 "a micro-batch is either a token budget or a number of examples; pass only one"
             )
         check_int("--batch-size", self.batch_size, 1, allow_none=True)
+        if self.static_shapes and self.padded:
+            raise ValueError(
+                "--static-shapes buckets packed rows; --padded batches are [B, L_max] with an "
+                "attention mask, where it means nothing. Drop one of the two"
+            )
+        if self.static_shapes and self.pad_to_multiple_of is not None:
+            raise ValueError(
+                f"--static-shapes and --pad-to-multiple-of {self.pad_to_multiple_of} both set the "
+                "padded length of a micro-batch; pass only one"
+            )
         for name in ("grad_accum", "log_every", "lora_r", "lora_alpha", "builtin_examples"):
             check_int(f"--{_flag(name)}", getattr(self, name), 1)
         for name in ("max_steps", "max_examples", "pad_to_multiple_of", "tokens_per_batch"):

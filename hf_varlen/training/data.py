@@ -20,6 +20,11 @@ into one ``[1, T]`` row; the padded baseline collates the *same* examples into a
 ``[B, L_max]`` batch, so both modes see identical data in identical order. An empty slot becomes a one-token dummy batch
 with no label (a zero-loss forward/backward keeps data-parallel collectives matched).
 
+Static shapes (``--static-shapes``): the packing collator pads T up to a rung of
+``bucket_ladder(token budget)`` and gives ``cu_seq_lens`` the sampler's ``max_documents + 2``
+entries; a dummy is then one all-padding row of the smallest rung. ``real_tokens`` and
+``label_tokens`` never count the padding.
+
 Shape legend: B examples in a micro-batch, L_max the longest of them, T = sum of their lengths.
 """
 
@@ -439,16 +444,36 @@ class MicroBatch:
 class Batcher:
     """Index lists -> ``MicroBatch`` for the packed or the padded mode (same examples either way)."""
 
-    def __init__(self, examples: Examples, cfg: TrainConfig, pad_token_id: int):
+    def __init__(
+        self,
+        examples: Examples,
+        cfg: TrainConfig,
+        pad_token_id: int,
+        max_documents: int | None = None,
+    ):
         from ..collator import PackingCollator
+        from ..packing import bucket_ladder
 
         self.examples = examples
         self.padded = cfg.padded
         self.pad_token_id = int(pad_token_id)
+        # --static-shapes: T is a rung of the ladder and cu_seq_lens has max_documents + 2 entries
+        # (the sampler's cap), so the model sees len(buckets) shapes at most.
+        self.buckets = bucket_ladder(cfg.token_budget) if cfg.static_shapes else None
+        if self.buckets is not None and max_documents is None:
+            raise ValueError("Batcher: --static-shapes needs max_documents (the sampler's)")
         self.collator = PackingCollator(
-            pad_to_multiple_of=cfg.pad_to_multiple_of, pad_token_id=self.pad_token_id
+            pad_to_multiple_of=cfg.pad_to_multiple_of,
+            pad_to_buckets=self.buckets,
+            max_documents=max_documents if self.buckets is not None else None,
+            pad_token_id=self.pad_token_id,
         )
-        self._plain = PackingCollator(pad_token_id=self.pad_token_id)  # dummies stay 1 token
+        # Dummies stay 1 token, or, with buckets, an all-padding row of the smallest one.
+        self._plain = (
+            self.collator
+            if self.buckets is not None
+            else PackingCollator(pad_token_id=self.pad_token_id)
+        )
 
     def __call__(self, indices: Sequence[int]) -> MicroBatch:
         if not indices:
@@ -485,5 +510,8 @@ class Batcher:
     def dummy(self) -> MicroBatch:
         """One pad token, no label: a forward/backward that adds exactly zero to every gradient."""
         one = [{"input_ids": np.array([self.pad_token_id]), "labels": np.array([IGNORE_INDEX])}]
-        inputs = self._pad(one) if self.padded else self._plain(one)
-        return MicroBatch(inputs, 0, 1, 0, 0, dummy=True)
+        if self.padded:
+            inputs = self._pad(one)
+        else:  # with buckets: no document, the padding segment alone
+            inputs = self._plain([] if self.buckets is not None else one)
+        return MicroBatch(inputs, 0, inputs["input_ids"].numel(), 0, 0, dummy=True)

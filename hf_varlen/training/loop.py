@@ -223,10 +223,16 @@ class PackedTrainer:
             self.eval_ex = tokenize(eval_records, fmt, self.tokenizer, cfg)
         self.sampler = self._sampler(self.train_ex, shuffle=True)
         self.eval_sampler = self._sampler(self.eval_ex, shuffle=False) if self.eval_ex else None
-        self.batcher = Batcher(self.train_ex, cfg, pad_id(self.tokenizer))
-        self.eval_batcher = (
-            Batcher(self.eval_ex, cfg, pad_id(self.tokenizer)) if self.eval_ex else None
+        self.batcher = Batcher(
+            self.train_ex, cfg, pad_id(self.tokenizer), self.sampler.max_documents
         )
+        self.eval_batcher = (
+            Batcher(self.eval_ex, cfg, pad_id(self.tokenizer), self.eval_sampler.max_documents)
+            if self.eval_ex
+            else None
+        )
+        # --static-shapes: training micro-batches per bucket on this rank (summed at the end).
+        self.bucket_counts = dict.fromkeys(self.batcher.buckets or (), 0)
         per_epoch = math.ceil(len(self.sampler) / cfg.grad_accum)
         self.total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * per_epoch))
 
@@ -362,6 +368,8 @@ class PackedTrainer:
         return t.tolist()
 
     def _micro_step(self, mb: MicroBatch, n_items, sync: bool) -> torch.Tensor:
+        if self.bucket_counts:
+            self.bucket_counts[mb.tensor_tokens] += 1
         inputs = self.compiler.mark(_to_device(mb.inputs, self.device))
         ctx = contextlib.nullcontext() if sync else self.acc.no_sync(self.model)
         with ctx, self.compiler.guard():
@@ -539,6 +547,32 @@ class PackedTrainer:
         run_log.message(f"step {st.step}: eval loss {result['eval_loss']:.4f}")
         return record
 
+    def _static_summary(self, records: list[dict[str, Any]]) -> dict[str, Any] | None:
+        """--static-shapes numbers: the shapes that ran (all ranks) and the padding they cost."""
+        if not self.bucket_counts:
+            return None
+        buckets = list(self.bucket_counts)
+        counts = [int(c) for c in self._reduce([float(self.bucket_counts[b]) for b in buckets])]
+        used = [b for b, c in zip(buckets, counts, strict=True) if c]
+        held = sum(r["tensor_tokens"] for r in records)
+        extra = held - sum(r["real_tokens"] for r in records)
+        share = extra / held if held else 0.0
+        m = self.sampler.max_documents
+        return {
+            "buckets": buckets,
+            "max_documents": m,
+            "shapes": used,
+            "micro_batches_per_shape": [c for c in counts if c],
+            "distinct_shapes": len(used),
+            "extra_tokens": extra,
+            "extra_share": share,
+            "text": (
+                f"{len(used)} distinct shape(s) of {len(buckets)} buckets ([1, T] with T in "
+                f"{used}; cu_seq_lens of {m + 2}), padding {share:.1%} of the tokens computed "
+                f"({extra:,} extra tokens)"
+            ),
+        }
+
     def _finish(self, run_log: RunLogger, evals: list[dict[str, Any]]) -> dict[str, Any]:
         cfg = self.cfg
         source = (
@@ -578,6 +612,7 @@ class PackedTrainer:
             skipped_records=self.skipped_records,
             env=environment(self.device),
             compile=self.compiler.summary(run_log.records),
+            static_shapes=self._static_summary(run_log.records),
         )
         if self.acc.is_main_process:
             import json
