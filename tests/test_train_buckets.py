@@ -105,13 +105,14 @@ def test_static_shapes_flag_and_refusals(tmp_path):
 
 
 def test_static_shapes_compile_at_most_twice(tmp_path):
-    lo, _, _ = _run(_tiny(tmp_path, "lo", max_steps=6))
-    hi, _, _ = _run(_tiny(tmp_path, "hi", max_steps=6, fused_loss="off"), hook=_double)
+    # 2 examples of up to 256 tokens a micro-batch: packs of changing size, so several buckets
+    # run (a 384-token budget fills every pack to its top rung).
+    kw = dict(max_steps=6, max_length=256, tokens_per_batch=None, batch_size=2)
+    lo, _, _ = _run(_tiny(tmp_path, "lo", **kw))
+    hi, _, _ = _run(_tiny(tmp_path, "hi", fused_loss="off", **kw), hook=_double)
     torch._dynamo.reset()
     counters.clear()
-    cfg = _tiny(
-        tmp_path, "x", max_steps=6, static_shapes=True, compile=True, compile_backend="aot_eager"
-    )
+    cfg = _tiny(tmp_path, "x", static_shapes=True, compile=True, compile_backend="aot_eager", **kw)
     x, summary, records = _run(cfg)
     assert dict(counters["graph_break"]) == {}, dict(counters["graph_break"])
     assert len({r["tensor_tokens"] for r in records}) >= 2  # several buckets really ran
