@@ -11,7 +11,9 @@ What ``--compile`` does:
   the token dimension and the document count; for padded batches the sequence dimension of the
   attention mask too), so changing packs do not recompile: one graph for training, one more when
   the collator's ``max_length`` ints first change. Eval (``model.eval()`` under ``no_grad``) is a
-  graph of its own.
+  graph of its own. With ``--static-shapes`` the batches take only the ladder's token counts and
+  one ``cu_seq_lens`` length; they are still marked dynamic, because one graph per bucket would
+  exceed Dynamo's recompile limit (the static shapes are for CUDA graphs, captured per bucket).
 - Dynamo's recompile limit raises instead of falling back to eager
   (``fail_on_recompile_limit_hit``), and every compile failure is re-raised as ``CompileError``
   with the reason and a way out: nothing silently runs eager.
