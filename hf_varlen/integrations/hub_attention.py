@@ -32,6 +32,9 @@ def _as_int(value, name: str) -> int:
             raise ValueError(
                 f"{name} must be an int or a 1-element tensor, got shape {tuple(value.shape)}"
             )
+        # Host read, intended: the hub route (transformers' flash_attention_forward) hands over
+        # max_seqlen as a 0-d tensor; read once per call on that eager route. varlen_packed and
+        # the compiled path never come here (they take the collator's ints).
         return int(value.item())
     if not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")

@@ -169,4 +169,6 @@ class VarlenSFTTrainer(SFTTrainer):
             local = torch.tensor(pos.size(1), device=pos.device)
         else:
             raise ValueError("inputs: expected 'attention_mask' or 'position_ids' in the batch")
+        # Host read, intended: one per micro-batch for TRL's num_tokens metric, in compute_loss,
+        # outside the model's (compilable) forward and backward; TRL's own trainer reads it too.
         return int(self.accelerator.gather_for_metrics(local).sum().item())

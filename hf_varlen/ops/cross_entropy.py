@@ -271,6 +271,9 @@ def _kept_rows(hidden: torch.Tensor, labels: torch.Tensor, ignore_index: int):
     Ignored tokens are dropped before the matmuls: their loss and gradients are exactly zero.
     Counting them is the op's one host sync: the chunk loop needs the row count."""
     keep = labels != ignore_index
+    # Host read, intended: once per loss call (not per layer), and inside the opaque custom op
+    # torch.compile sees (torch.ops.hf_varlen.fused_linear_ce), so it never breaks the graph.
+    # A CUDA-graph step (issue 14) needs a static-row variant instead.
     n_valid = int(keep.sum())
     idx = None if n_valid == hidden.shape[0] else keep.nonzero().squeeze(1)
     h = hidden if idx is None else hidden.index_select(0, idx)
