@@ -93,3 +93,30 @@ def test_hidden_size_override_keeps_the_wide_embedding():
     cfg = TrainConfig(config_overrides="hidden_size=128")
     model = build_model(cfg, _BigTokenizer(), "fp32")
     assert model.config.hidden_size == 128
+
+
+def test_explicit_fused_loss_that_cannot_be_installed_is_an_error(monkeypatch, tmp_path):
+    """--fused-loss on is an explicit request: when the fused loss cannot be installed the run
+    stops naming why (auto only warns and says so in the summary)."""
+    import hf_varlen
+    from hf_varlen.training.model import apply_kernels
+
+    real = hf_varlen.kernelize
+
+    def refusing(model, **kwargs):
+        report = real(model, **{**kwargs, "cross_entropy": False})
+        report.left_alone["cross_entropy"] = "refused for the test"
+        return report
+
+    monkeypatch.setattr(hf_varlen, "kernelize", refusing)
+    model = build_model(TrainConfig(model="tiny-llama"), _tokenizer(), "fp32")
+    with pytest.raises(ValueError, match="--fused-loss on.*refused for the test"):
+        apply_kernels(model, TrainConfig(fused_loss="on"), torch.device("cpu"))
+    text, installed, why = apply_kernels(model, TrainConfig(fused_loss="auto"), torch.device("cpu"))
+    assert not installed and "could not be installed: refused for the test" in why
+
+
+def _tokenizer():
+    from hf_varlen.training.builtin import byte_tokenizer
+
+    return byte_tokenizer()

@@ -264,6 +264,12 @@ def apply_kernels(model, cfg: TrainConfig, device: torch.device) -> tuple[str, b
         text = _kernels_text(report) if layers else f"layer kernels {text}; {_kernels_text(report)}"
         if loss and not installed:
             failed = report.left_alone.get("cross_entropy", "not installed")
+            if cfg.fused_loss == "on":  # an explicit request never falls back
+                raise ValueError(
+                    f"--fused-loss on: the fused cross-entropy cannot be installed on this model: "
+                    f"{failed}. Hint: --fused-loss auto (falls back to transformers' loss and says "
+                    "so) or --fused-loss off"
+                )
             why = f"{why}, but the fused loss could not be installed: {failed}"
             logger.warning("--fused-loss: %s", why)
     name = "hf_varlen fused linear cross-entropy" if installed else "transformers' cross-entropy"
