@@ -10,8 +10,14 @@
 #   bash scripts/gpu_evidence.sh train     OUT_DIR   # hf-varlen train: packed vs padded vs accelerate
 #   bash scripts/gpu_evidence.sh trl       OUT_DIR   # bench_trl: TRL SFTTrainer, bf16, 1B shape
 #   bash scripts/gpu_evidence.sh baseline  OUT_DIR   # attention/rope timings, .baseline/ vs this tree
+#   bash scripts/gpu_evidence.sh compile   OUT_DIR   # bench_e2e: compiled vs eager, batch 8/32/128
+#   bash scripts/gpu_evidence.sh coverage  OUT_DIR   # bench_coverage_check: the eager offsets check
 #
-# `baseline` compares against an older tree unpacked in .baseline/ (carry it):
+# `tests` takes optional test files after OUT_DIR (default: every file that holds a GPU test), and
+# also runs the TRL / mixed-precision files, whose trainers use the GPU when there is one.
+#
+# `baseline` compares our triton kernel (torch's varlen attention in the same run as the drift
+# anchor) against an older tree unpacked in .baseline/ (carry it):
 #   git archive REV hf_varlen scripts | (mkdir -p .baseline && tar -x -C .baseline)
 #
 # `train` and `e2e` read the shared data from runs/shared (carry it): alpaca_5000.json, lima.json
@@ -28,6 +34,14 @@ fi
 export PYTHONPATH="/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 data=runs/shared
+if [ -d "$data" ] && [ -z "${HF_VARLEN_SHARED_DATA:-}" ]; then  # the tests' ../shared/data layout
+    tree=/tmp/hf_varlen_shared
+    mkdir -p "$tree/tokenizers" "$tree/alpaca" "$tree/lima"
+    ln -sfn "$PWD/$data/qwen2" "$tree/tokenizers/qwen2"
+    ln -sfn "$PWD/$data/alpaca_5000.json" "$tree/alpaca/alpaca_5000.json"
+    ln -sfn "$PWD/$data/lima.json" "$tree/lima/lima.json"
+    export HF_VARLEN_SHARED_DATA=$tree
+fi
 
 step() {  # step NAME SECONDS CMD...: run with a timeout, log to OUT_DIR/NAME.log, print the tail
     local name=$1 secs=$2
@@ -40,8 +54,14 @@ step() {  # step NAME SECONDS CMD...: run with a timeout, log to OUT_DIR/NAME.lo
 
 case "$stage" in
 tests)
-    for f in $(grep -l "mark.gpu" tests/test_*.py); do  # every file that holds a GPU test
-        step "pytest_$(basename "$f" .py)" 240 python3 -m pytest -q -m gpu -x "$f"
+    shift 2
+    files=${*:-$(grep -l "mark.gpu" tests/test_*.py)}  # default: every file that holds a GPU test
+    for f in $files; do
+        case "$f" in
+        *trl*|*mixed_precision*) marker=() ;;  # CPU-marked tests that train on CUDA when present
+        *) marker=(-m gpu) ;;
+        esac
+        step "pytest_$(basename "$f" .py)" 240 python3 -m pytest -q "${marker[@]}" "$f"
     done
     ;;
 kernels)
@@ -76,10 +96,19 @@ baseline)
     for tree in .baseline .; do
         tag=$([ "$tree" = . ] && echo new || echo old)
         step "attn_$tag" 200 env PYTHONPATH="$PWD/$tree:$PYTHONPATH" python3 "$tree/scripts/bench_attention.py" \
-            --json "$out/attn_$tag.json"
+            --providers triton,torch --no-check --json "$out/attn_$tag.json"
         step "rope_$tag" 100 env PYTHONPATH="$PWD/$tree:$PYTHONPATH" python3 "$tree/scripts/bench_rope.py" \
             --json "$out/rope_$tag.json"
     done
+    ;;
+compile)
+    step bench_e2e_compile 560 python3 scripts/bench_e2e.py --out "$out/compile" \
+        --plots-dir "$out/compile" --tokenizer "$data/qwen2" --alpaca "$data/alpaca_5000.json" \
+        --lima "$data/lima.json" --modes minimal_varlen,minimal_varlen-compile,hf_varlen,hf_varlen-compile \
+        --batch-sizes 8,32,128 --steps 20 --warmup 6 --timeout 200
+    ;;
+coverage)
+    step bench_coverage_check 200 python3 scripts/bench_coverage_check.py --json "$out/coverage.json"
     ;;
 *)
     echo "unknown stage $stage" >&2
