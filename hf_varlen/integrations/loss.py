@@ -2,8 +2,9 @@
 
 ``install_fused_cross_entropy(model)`` wraps the model's ``forward`` (an instance attribute, the
 same seam TRL's ``add_fused_lm_head`` uses; no model source is rewritten). When a call is a
-training call with ``labels`` the wrapper runs the model's OWN forward with two substitutions for
-the duration of that call:
+training call with ``labels`` the wrapper runs the model's OWN forward with two substitutions,
+installed with the wrapper (never added and removed per call: torch.compile cannot trace the
+removal on every torch version) and active only while such a call runs (``_State.call``):
 
   1. the output-embedding module (``model.get_output_embeddings()``, looked up per call, so PEFT or
      FSDP wrappers added later are seen) gets an instance ``forward`` that computes the fused loss
@@ -43,7 +44,6 @@ materialises logits): such calls pass straight through.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import inspect
@@ -74,6 +74,10 @@ class _State:
     previous_forward: object  # the instance forward we wrapped, or None (the class forward)
     forward: object  # our bound wrapper, to check that uninstall removes what we installed
     labels_position: int | None = None  # of `labels` in the forward's positional arguments
+    loss_function: object = None  # our _LossFunction, to check that uninstall removes it
+    previous_loss_function: object = None  # the instance _loss_function we replaced, or None
+    heads: list = dataclasses.field(default_factory=list)  # [(head, its previous forward)]
+    call: object = None  # the _Call of the fused forward running now, else None
 
 
 @dataclasses.dataclass
@@ -90,23 +94,38 @@ class _Call:
 # ----------------------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _instance_attr(obj, name: str, value):
-    """Set an instance attribute for the duration of the block, then restore what was there.
+class _HeadForward:
+    """The output embedding's instance ``forward`` while the fused loss is installed.
 
-    Through ``__dict__`` (the values are plain callables, which ``nn.Module.__setattr__`` would
-    store there too): torch.compile replays a ``setattr`` + ``delattr`` pair on a module as a
-    deletion of an attribute the real module never had, and fails; dict writes replay cleanly."""
-    attrs = obj.__dict__
-    had, previous = name in attrs, attrs.get(name)
-    attrs[name] = value
-    try:
-        yield
-    finally:
-        if had:
-            attrs[name] = previous
-        else:
-            attrs.pop(name, None)
+    Installed once per head (not per call: torch.compile cannot trace removing an instance
+    attribute again on every torch version), it computes the fused loss during a fused call
+    (``state.call`` set by the wrapped model forward) and runs the head's own forward otherwise."""
+
+    def __init__(self, model, head, state: _State, previous):
+        self.model, self.head, self.state, self.previous = model, head, state, previous
+
+    def __call__(self, hidden, *args, **kwargs):
+        call = self.state.call
+        if call is None:
+            if self.previous is not None:
+                return self.previous(hidden, *args, **kwargs)
+            return type(self.head).forward(self.head, hidden, *args, **kwargs)
+        return _fused_head_forward(self.model, self.head, self.state, call, hidden, *args, **kwargs)
+
+
+class _LossFunction:
+    """``model.loss_function`` while the fused loss is installed (the documented transformers
+    setter stores it as ``_loss_function``): the fused loss's normalisation during a fused call,
+    the model's own loss function (as it was at install) otherwise."""
+
+    def __init__(self, state: _State, original):
+        self.state, self.original = state, original
+
+    def __call__(self, logits=None, labels=None, vocab_size=None, **kwargs):
+        call = self.state.call
+        if call is None or call.loss_sum is None:  # not through our head: the plain loss
+            return self.original(logits, labels, vocab_size, **kwargs)
+        return _fused_loss(call, **kwargs)
 
 
 def _fused_head_forward(
@@ -154,11 +173,7 @@ def _fused_head_forward(
     return hidden.new_empty((*hidden.shape[:-1], 0))
 
 
-def _fused_loss_function(
-    original, call: _Call, logits=None, labels=None, vocab_size=None, **kwargs
-):
-    if call.loss_sum is None:  # the head was not reached through our forward: plain loss
-        return original(logits, labels, vocab_size, **kwargs)
+def _fused_loss(call: _Call, **kwargs):
     ignore_index = kwargs.get("ignore_index", IGNORE_INDEX)
     if ignore_index != IGNORE_INDEX:
         raise ValueError(
@@ -216,13 +231,19 @@ def _forward(model, *args, fused_loss: bool | None = None, **kwargs):
 
     call = _Call(labels=labels, shift_labels=kwargs.get("shift_labels"))
     head = model.get_output_embeddings()
-    head_forward = functools.partial(_fused_head_forward, model, head, state, call)
-    loss_function = functools.partial(_fused_loss_function, model.loss_function, call)
-    with (
-        _instance_attr(head, "forward", head_forward),
-        _instance_attr(model, "_loss_function", loss_function),
-    ):
+    ours = head.__dict__.get("forward")
+    if not isinstance(ours, _HeadForward) or ours.state is not state:  # a new head (PEFT, resize)
+        _install_head(model, head, state)
+    if model.__dict__.get("_loss_function") is not state.loss_function:
+        raise RuntimeError(
+            f"{type(model).__name__}.loss_function was replaced after the fused loss was "
+            "installed; set it before install_fused_cross_entropy, or pass fused_loss=False"
+        )
+    state.call = call
+    try:
         output = inner(*args, **kwargs)
+    finally:
+        state.call = None
     if call.loss_sum is not None and not call.returned:
         raise RuntimeError(
             f"{type(model).__name__}: the fused loss was computed but the forward never asked "
@@ -301,11 +322,22 @@ def install_fused_cross_entropy(
         return _forward(self, *args, **kwargs)
 
     bound = types.MethodType(forward, lm)
-    lm.__dict__[_STATE_ATTR] = _State(
+    state = _State(
         options, spec, lm.__dict__.get("forward"), bound, _labels_position(type(lm).forward)
     )
+    state.previous_loss_function = lm.__dict__.get("_loss_function")
+    state.loss_function = _LossFunction(state, lm.loss_function)  # the loss as it is now
+    lm.__dict__[_STATE_ATTR] = state
+    lm.__dict__["_loss_function"] = state.loss_function
+    _install_head(lm, lm.get_output_embeddings(), state)
     lm.forward = bound
     return model
+
+
+def _install_head(lm, head, state: _State) -> None:
+    previous = head.__dict__.get("forward")
+    head.__dict__["forward"] = _HeadForward(lm, head, state, previous)  # see _HeadForward
+    state.heads.append((head, previous))
 
 
 def uninstall_fused_cross_entropy(model: torch.nn.Module) -> torch.nn.Module:
@@ -323,8 +355,24 @@ def uninstall_fused_cross_entropy(model: torch.nn.Module) -> torch.nn.Module:
         del lm.forward
     else:
         lm.forward = state.previous_forward
+    _restore(lm, "_loss_function", state.loss_function, state.previous_loss_function)
+    for head, previous in state.heads:
+        ours = head.__dict__.get("forward")
+        if isinstance(ours, _HeadForward) and ours.state is state:
+            _restore(head, "forward", ours, previous)
     del lm.__dict__[_STATE_ATTR]
     return model
+
+
+def _restore(obj, name: str, ours, previous) -> None:
+    """Put back the instance attribute we replaced (unless someone replaced ours since)."""
+    current = obj.__dict__.get(name)
+    if current is not ours:
+        return
+    if previous is None:
+        del obj.__dict__[name]
+    else:
+        obj.__dict__[name] = previous
 
 
 def is_fused_cross_entropy_installed(model: torch.nn.Module) -> bool:
