@@ -25,6 +25,7 @@ _LAZY = {
     "register_backend": "backends",
     "set_backend": "backends",
     "PackingCollator": "collator",
+    "check_pending_offsets": "coverage",
     "varlen_attention": "functional",
     "enable_local_hub_kernel": "integrations.hub_package",
     "hub_kernel_path": "integrations.hub_package",

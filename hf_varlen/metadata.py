@@ -1,7 +1,8 @@
 """VarlenMetadata builders: where each packed document starts, built once per batch.
 
 Sources, in the order the transformers attention function tries them:
-  * collator kwargs: ``cu_seq_lens_q/k`` (int32) + ``max_length_q/k`` (int)     -> one check sync
+  * collator kwargs: ``cu_seq_lens_q/k`` (int32) + ``max_length_q/k`` (int)     -> one check
+    (a sync on the CPU and for the first CUDA batch, read back without one later: coverage.py)
   * a 2-D padding mask (B, T_k) of 1 = token, 0 = pad                           -> unpad (one sync)
   * packed ``position_ids`` (1, T): a new document wherever positions do not go up by one -> one sync
   * nothing: every row of the batch is one causal sequence                      -> no sync
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from . import coverage
 from .backends._common import traced
 from .backends.params import VarlenMetadata
 from .ops.common import TensorCache
@@ -83,34 +85,9 @@ _KWARGS_CACHE = TensorCache()
 
 
 def _check_covers(cu_q, cu_k, max_q, max_k, total_q: int, total_k: int) -> tuple[int, int]:
-    """Collator offsets must cover the batch: one host sync for both offset tensors (and any 0-d
-    max_length tensors). Returns the max lengths as ints."""
-    dq, dk = cu_q.diff(), cu_k.diff()
-    stats = [cu_q[0], cu_q[-1], dq.min(), dq.max(), cu_k[0], cu_k[-1], dk.min(), dk.max()]
-    stats += [m for m in (max_q, max_k) if isinstance(m, torch.Tensor)]
-    host = torch.stack([t.reshape(()).to(torch.int64) for t in stats]).tolist()  # the one sync
-    rest = iter(host[8:])
-    maxes = [next(rest) if isinstance(m, torch.Tensor) else int(m) for m in (max_q, max_k)]
-    hint = (
-        "the collator's documents must cover every token of the batch exactly once (did "
-        "position_ids / input_ids change after collation, or was the batch truncated?)"
-    )
-    for side, (first, last, shortest, longest), total, max_len in (
-        ("q", host[:4], total_q, maxes[0]),
-        ("k", host[4:8], total_k, maxes[1]),
-    ):
-        if first != 0 or last != total or shortest < 0:
-            raise ValueError(
-                f"cu_seq_lens_{side} runs from {first} to {last} (smallest step {shortest}) but "
-                f"the batch has {total} tokens: it must start at 0, never decrease and end at "
-                f"{total}; " + hint
-            )
-        if longest > max_len:
-            raise ValueError(
-                f"max_length_{side} is {max_len} but cu_seq_lens_{side} holds a {longest}-token "
-                f"document; max_length_{side} must be at least the longest document"
-            )
-    return maxes[0], maxes[1]
+    """The synchronous coverage check (``coverage.check_now``): one host sync for both offset
+    tensors and any 0-d max lengths; returns the max lengths as ints."""
+    return coverage.check_now(cu_q, cu_k, max_q, max_k, total_q, total_k)
 
 
 def from_collator_kwargs(
@@ -139,6 +116,17 @@ def from_collator_kwargs(
             )
         if total_q is None:
             return VarlenMetadata(flat_q, flat_k, _to_int(max_q), _to_int(max_k))
+        if flat_q.is_cuda and torch.cuda.is_current_stream_capturing():
+            # no host read inside a capture: checked in the eager warm-up of the same shapes
+            if isinstance(max_q, torch.Tensor) or isinstance(max_k, torch.Tensor):
+                raise TypeError(
+                    "max_length_q/k must be Python ints while a CUDA graph is captured (a tensor "
+                    "would need a host read); the collator emits ints"
+                )
+            return VarlenMetadata(flat_q, flat_k, int(max_q), int(max_k))
+        if coverage.DEFERRED.wants(flat_q, max_q, max_k):  # read back later, without a sync
+            coverage.DEFERRED.submit(flat_q, flat_k, max_q, max_k, total_q, total_k)
+            return VarlenMetadata(flat_q, flat_k, int(max_q), int(max_k))
         mq, mk = _check_covers(flat_q, flat_k, max_q, max_k, total_q, total_k)
         return VarlenMetadata(flat_q, flat_k, mq, mk)
 

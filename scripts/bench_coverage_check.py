@@ -1,18 +1,22 @@
 """What the eager coverage check of collator offsets costs per training step (issue #12, item 5).
 
-In eager mode ``varlen_packed`` checks once per forward that the collator's ``cu_seq_lens_q/k``
-cover the batch (start at 0, never decrease, end at T, fit ``max_length_q/k``): a handful of tiny
-reductions and one host sync, shared by all layers (``hf_varlen.metadata._check_covers``). This
-script times forward + backward steps of a packed Llama with the check as shipped ("on") and with
-the check replaced by the collator's ints as given ("off", what a compiled step does), over the
-same packs, and reports the difference per step.
+In eager mode ``varlen_packed`` checks once per batch that the collator's ``cu_seq_lens_q/k``
+cover it (start at 0, never decrease, end at T, fit ``max_length_q/k``): a handful of tiny
+reductions whose result must reach the host (``hf_varlen.coverage``). This script times forward +
+backward steps of a packed Llama (1B shape) over the same packs with the check
 
-The step time is wall-clock over ``--steps`` consecutive steps with one synchronize at the end, so
-the CPU may run ahead of the GPU exactly as in training; the sync stalls that run-ahead, which is
-the check's real cost (the reductions themselves take microseconds).
+    sync      read back with a host sync every batch (how it shipped first)
+    deferred  read back without a sync, once the copy has landed (as shipped now)
+    off       not done: the collator's ints as given (what a compiled step does)
+
+and reports each one's cost against ``off``. The step time is wall-clock over ``--steps``
+consecutive steps with one synchronize at the end, so the CPU may run ahead of the GPU exactly as
+in a loop without host reads; a sync stalls that run-ahead, which is the real cost (the
+reductions themselves take microseconds). ``--read-loss`` reads the loss every step (as a
+trainer that logs or checks it does), which gives the run-ahead up anyway.
 
     python scripts/bench_coverage_check.py --json runs/coverage.json
-    python scripts/bench_coverage_check.py --layers 2,16 --docs 1,8,32
+    python scripts/bench_coverage_check.py --layers 16 --docs 1,8,32 --read-loss
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import torch  # noqa: E402
 from bench_common import run_header  # noqa: E402
 
 import hf_varlen  # noqa: E402
+import hf_varlen.coverage as coverage  # noqa: E402
 import hf_varlen.metadata as metadata  # noqa: E402
 from hf_varlen.training.builtin import PRESETS  # noqa: E402
 
@@ -67,14 +72,18 @@ def make_packs(n_docs: int, n_packs: int, device: str, seed: int = 0) -> list[di
     return packs
 
 
-def step_ms(model, packs: list[dict], steps: int) -> float:
-    """Mean wall-clock ms per forward + backward step, one synchronize per ``steps`` steps."""
+def step_ms(model, packs: list[dict], steps: int, read_loss: bool) -> float:
+    """Best-of-3 mean wall-clock ms per forward + backward step, one synchronize per ``steps``
+    steps (and a loss read per step with ``read_loss``)."""
 
     def run(n):
         for i in range(n):
             loss = model(**packs[i % len(packs)]).loss
             loss.backward()
             model.zero_grad(set_to_none=True)
+            if read_loss:
+                float(loss.detach())
+        coverage.check_pending_offsets()
 
     run(3)
     torch.cuda.synchronize()
@@ -97,49 +106,53 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--layers", default="2,16", help="decoder layers of the 1B shape, comma list")
     ap.add_argument("--docs", default="1,8,32", help="documents per pack, comma list")
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--read-loss", action="store_true", help="read the loss every step")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_coverage_check.py needs a CUDA GPU (it times host syncs)")
     head = run_header(bench="coverage_check")
     print(json.dumps(head))
-    shipped = metadata._check_covers
+    sync_check, wants = metadata._check_covers, coverage.DEFERRED.wants
+    variants = {  # name -> (the synchronous check, whether a batch's check is deferred)
+        "sync": (sync_check, lambda *a: False),
+        "deferred": (sync_check, wants),
+        "off": (check_off, lambda *a: False),
+    }
     rows = []
     for layers in (int(x) for x in args.layers.split(",")):
         model = make_model(layers, "cuda")
         for n_docs in (int(x) for x in args.docs.split(",")):
             packs = make_packs(n_docs, 8, "cuda")
             tokens = sum(p["input_ids"].shape[1] for p in packs) / len(packs)
-            timings = {}
-            for name, check in (("on", shipped), ("off", check_off), ("on2", shipped)):
-                metadata._check_covers = check
+            ms = {}
+            for name in ("off", "sync", "deferred", "off2"):  # off twice: the drift between runs
+                check, defer = variants[name.rstrip("2")]
+                metadata._check_covers, coverage.DEFERRED.wants = check, defer
                 try:
-                    timings[name] = step_ms(model, packs, args.steps)
+                    ms[name] = step_ms(model, packs, args.steps, args.read_loss)
                 finally:
-                    metadata._check_covers = shipped
-            on = min(timings["on"], timings["on2"])  # on twice: bounds the drift between runs
-            row = dict(
-                layers=layers,
-                docs=n_docs,
-                tokens=round(tokens),
-                on_ms=round(on, 3),
-                off_ms=round(timings["off"], 3),
-                cost_ms=round(on - timings["off"], 3),
-                cost_pct=round(100 * (on - timings["off"]) / timings["off"], 2),
-                noise_ms=round(abs(timings["on"] - timings["on2"]), 3),
-            )
+                    metadata._check_covers, coverage.DEFERRED.wants = sync_check, wants
+            off = min(ms["off"], ms["off2"])
+            row = dict(layers=layers, docs=n_docs, tokens=round(tokens), read_loss=args.read_loss)
+            row.update(off_ms=round(off, 3), noise_ms=round(abs(ms["off"] - ms["off2"]), 3))
+            for name in ("sync", "deferred"):
+                row[f"{name}_ms"] = round(ms[name], 3)
+                row[f"{name}_cost_pct"] = round(100 * (ms[name] - off) / off, 2)
             rows.append(row)
             print(json.dumps(row))
         del model
         torch.cuda.empty_cache()
     print(
-        "\n| layers | docs | tokens | check on ms | check off ms | cost ms | cost % | on-vs-on ms |"
+        "\n| layers | docs | tokens | off ms | sync ms | sync cost | deferred ms | deferred cost "
+        "| off-vs-off ms |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
-            f"| {r['layers']} | {r['docs']} | {r['tokens']} | {r['on_ms']:.2f} | {r['off_ms']:.2f} "
-            f"| {r['cost_ms']:+.3f} | {r['cost_pct']:+.1f} | {r['noise_ms']:.3f} |"
+            f"| {r['layers']} | {r['docs']} | {r['tokens']} | {r['off_ms']:.2f} "
+            f"| {r['sync_ms']:.2f} | {r['sync_cost_pct']:+.1f}% | {r['deferred_ms']:.2f} "
+            f"| {r['deferred_cost_pct']:+.1f}% | {r['noise_ms']:.3f} |"
         )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -108,7 +108,10 @@ compile)
         --batch-sizes 8,32,128 --steps 20 --warmup 6 --timeout 200
     ;;
 coverage)
-    step bench_coverage_check 200 python3 scripts/bench_coverage_check.py --json "$out/coverage.json"
+    step bench_coverage_check 150 python3 scripts/bench_coverage_check.py --layers 16 \
+        --docs 1,8,32 --steps 10 --json "$out/coverage.json"
+    step bench_coverage_check_read_loss 150 python3 scripts/bench_coverage_check.py --layers 16 \
+        --docs 8,32 --steps 10 --read-loss --json "$out/coverage_read_loss.json"
     ;;
 *)
     echo "unknown stage $stage" >&2

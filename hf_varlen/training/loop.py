@@ -38,6 +38,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..coverage import check_pending_offsets
 from ..ops.common import env_flag
 from ..packing import ExampleCountBatchSampler, TokenBudgetBatchSampler
 from . import checkpoint as ckpt
@@ -411,6 +412,7 @@ class PackedTrainer:
             ]
         )
         gn = float(grad_norm) if grad_norm is not None else math.nan
+        check_pending_offsets()  # deferred offset checks: free after the reads above
         finite = math.isfinite(totals[0]) and (grad_norm is None or math.isfinite(gn))
         if finite:
             self.optimizer.step()
