@@ -223,7 +223,11 @@ def _labels_from(position: int | None, args, kwargs):
 
 def _forward(model, *args, fused_loss: bool | None = None, **kwargs):
     state: _State = model.__dict__[_STATE_ATTR]
-    inner = state.previous_forward or functools.partial(type(model).forward, model)
+    inner = (
+        state.previous_forward
+    )  # `is None`, not truthiness: dynamo 2.11 cannot branch on a method
+    if inner is None:
+        inner = functools.partial(type(model).forward, model)
     labels = _labels_from(state.labels_position, args, kwargs)
     use = model.training if fused_loss is None else bool(fused_loss)
     if not use or labels is None or kwargs.get("fused_lm_head"):
