@@ -10,7 +10,8 @@
 #   bash scripts/gpu_evidence.sh train     OUT_DIR   # hf-varlen train: packed vs padded vs accelerate
 #   bash scripts/gpu_evidence.sh trl       OUT_DIR   # bench_trl: TRL SFTTrainer, bf16, 1B shape
 #   bash scripts/gpu_evidence.sh baseline  OUT_DIR   # attention/rope timings, .baseline/ vs this tree
-#   bash scripts/gpu_evidence.sh compile   OUT_DIR   # bench_e2e: compiled vs eager, batch 8/32/128
+#   bash scripts/gpu_evidence.sh compile   OUT_DIR   # bench_e2e: compiled vs eager, batch 32/8/128
+#                                                     (a 1B-shape compile cell takes 100-200 s on the H200)
 #   bash scripts/gpu_evidence.sh coverage  OUT_DIR   # bench_coverage_check: the eager offsets check
 #
 # `tests` takes optional test files after OUT_DIR (default: every file that holds a GPU test), and
@@ -105,7 +106,7 @@ compile)
     step bench_e2e_compile 560 python3 scripts/bench_e2e.py --out "$out/compile" \
         --plots-dir "$out/compile" --tokenizer "$data/qwen2" --alpaca "$data/alpaca_5000.json" \
         --lima "$data/lima.json" --modes minimal_varlen,minimal_varlen-compile,hf_varlen,hf_varlen-compile \
-        --batch-sizes 8,32,128 --steps 20 --warmup 6 --timeout 200
+        --batch-sizes 32,8,128 --steps 15 --warmup 5 --timeout 240  # B32 first: the headline
     ;;
 coverage)
     step bench_coverage_check 150 python3 scripts/bench_coverage_check.py --layers 16 \

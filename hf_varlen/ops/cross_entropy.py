@@ -17,7 +17,8 @@ non-ignored tokens; 0 with zero gradients when there are none, where F.cross_ent
 "none" (per token). Every reduction of a batch without label tokens is 0 with zero gradients.
 
 Algorithm. Tokens whose label is ignored are dropped first (one host sync to count them; their loss
-and gradients are exactly zero), then the kept tokens are processed in chunks of C rows:
+and gradients are exactly zero; while a CUDA graph is captured nothing is dropped, see
+``_compact_rows``), then the kept tokens are processed in chunks of C rows:
 
     logits = h_c @ W^T (+ b)                      cuBLAS, into one reused (C, V) buffer
     row kernel: lse, loss_t, and dloss/dx written IN PLACE over the logits (fp32 math)
@@ -265,20 +266,36 @@ def _scatter_rows(values: torch.Tensor, idx: torch.Tensor | None, n_rows: int) -
     return out.index_copy_(0, idx, values)
 
 
+def _compact_rows(hidden: torch.Tensor) -> bool:
+    """Whether ignored rows are dropped before the matmuls: always, except while a CUDA graph is
+    captured, where counting them (a host read) is illegal; then every row goes through the
+    chunk loop (ignored ones get zero loss and gradients from the row step: more FLOPs, same
+    result, no sync)."""
+    return not (hidden.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
 def _kept_rows(hidden: torch.Tensor, labels: torch.Tensor, ignore_index: int):
     """(n_valid, idx, h, y): the rows whose label is not ignored (idx None when all are kept).
 
     Ignored tokens are dropped before the matmuls: their loss and gradients are exactly zero.
-    Counting them is the op's one host sync: the chunk loop needs the row count."""
+    Counting them is the op's one host sync: the chunk loop needs the row count. Without
+    compaction (``_compact_rows``) nothing is dropped and ``n_valid`` is a 0-d device tensor."""
     keep = labels != ignore_index
+    if not _compact_rows(hidden):
+        return keep.sum(), None, hidden, labels
     # Host read, intended: once per loss call (not per layer), and inside the opaque custom op
-    # torch.compile sees (torch.ops.hf_varlen.fused_linear_ce), so it never breaks the graph.
-    # A CUDA-graph step (issue 14) needs a static-row variant instead.
+    # torch.compile sees (torch.ops.hf_varlen.fused_linear_ce), so it never breaks the graph;
+    # skipped while a CUDA graph is captured (above).
     n_valid = int(keep.sum())
     idx = None if n_valid == hidden.shape[0] else keep.nonzero().squeeze(1)
     h = hidden if idx is None else hidden.index_select(0, idx)
     y = labels if idx is None else labels.index_select(0, idx)
     return n_valid, idx, h, y
+
+
+def _at_least_one(n_valid):
+    """max(n_valid, 1) for an int or a 0-d tensor: no label token divides by 1, not 0."""
+    return n_valid.clamp(min=1) if isinstance(n_valid, torch.Tensor) else max(n_valid, 1)
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
@@ -311,7 +328,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             return _scatter_rows(loss, idx, n_rows)
         total = loss.sum()
         # max(.., 1): no label token gives 0 (an empty sum), not 0 / 0 = NaN
-        return total if cfg.reduction == "sum" else total / max(n_valid, 1)
+        return total if cfg.reduction == "sum" else total / _at_least_one(n_valid)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -345,7 +362,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         ctx.grads = None
         factor = grad_out.float()
         if cfg.reduction == "mean":  # the gradients are all zero when n_valid == 0
-            factor = factor / max(ctx.n_valid, 1)
+            factor = factor / _at_least_one(ctx.n_valid)
         # In place: these buffers belong to this node only and are released right here.
         return tuple(None if g is None else g.mul_(factor) for g in grads) + (None, None)
 
@@ -415,14 +432,14 @@ def _fused_linear_ce_op(
         loss = _scatter_rows(loss, idx, n_rows)
     else:
         loss = loss.sum()
-        loss = loss if reduction == "sum" else loss / max(n_valid, 1)
+        loss = loss if reduction == "sum" else loss / _at_least_one(n_valid)
     empty = hidden.new_empty
     return (
         loss,
         empty(0) if dh is None else _scatter_rows(dh, idx, n_rows),
         empty(0, dtype=weight.dtype) if dw is None else dw,
         empty(0, dtype=weight.dtype) if db is None else db,
-        torch.tensor(n_valid, dtype=torch.int64, device=hidden.device),
+        torch.as_tensor(n_valid, dtype=torch.int64, device=hidden.device),
     )
 
 
