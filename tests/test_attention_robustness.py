@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from attn_cases import cu_from_lengths, make_qkv
+from tiny_packed import collator_batch, tiny_llama
 
 import hf_varlen
 from hf_varlen.ops.attention import triton_varlen_attention
@@ -144,35 +145,6 @@ def test_reference_rejects_malformed_offsets():
 # ---- inside a model: collator offsets must cover the batch ---------------------------------------
 
 
-def _tiny_llama():
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    cfg = LlamaConfig(
-        vocab_size=50,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        use_cache=False,
-    )
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(cfg, attn_implementation="varlen_packed")
-
-
-def _batch(cu, max_len, n=12):
-    cu = torch.tensor(cu, dtype=torch.int32)
-    return dict(
-        input_ids=torch.randint(0, 50, (1, n)),
-        position_ids=torch.arange(n)[None],
-        cu_seq_lens_q=cu,
-        cu_seq_lens_k=cu,
-        max_length_q=max_len,
-        max_length_k=max_len,
-    )
-
-
 @pytest.mark.parametrize("backend", ["sdpa", "flex", "reference"])
 @pytest.mark.parametrize(
     "cu,max_len,match",
@@ -184,10 +156,10 @@ def _batch(cu, max_len, n=12):
     ],
 )
 def test_model_rejects_collator_offsets_that_do_not_cover_the_batch(backend, cu, max_len, match):
-    model = _tiny_llama()
+    model = tiny_llama()
     hf_varlen.set_backend(backend, model=model)
     with torch.no_grad(), pytest.raises(ValueError, match=match):
-        model(**_batch(cu, max_len))
+        model(**collator_batch(cu, max_len))
 
 
 def test_model_offsets_checked_with_one_sync_per_forward(monkeypatch):
@@ -201,14 +173,14 @@ def test_model_offsets_checked_with_one_sync_per_forward(monkeypatch):
         return real(*args)
 
     monkeypatch.setattr(metadata, "_check_covers", spy)
-    model = _tiny_llama()  # three layers
-    batch = _batch([0, 5, 12], 7)
+    model = tiny_llama()  # three layers
+    batch = collator_batch([0, 5, 12], 7)
     batch["max_length_q"] = batch["max_length_k"] = torch.tensor(7)  # 0-d: read in the same sync
     model(**batch).logits.sum().backward()
     assert calls == [1]
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     metadata._KWARGS_CACHE.clear()
-    bad = _batch([0, 5, 9], 5)
+    bad = collator_batch([0, 5, 9], 5)
     meta = metadata.from_collator_kwargs(
         bad["cu_seq_lens_q"], bad["cu_seq_lens_k"], 5, 5, 12, 12
     )  # no sync while compiling: not checked here

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_packed import collator_batch, tiny_llama
 
 from hf_varlen import coverage, metadata
 
@@ -26,38 +27,9 @@ def deferred(monkeypatch):
 
 
 def _tiny_llama():
-    """Three layers on the ``flex`` backend: it keeps the offsets on the device (clamped), where
-    the host-offset CPU backends (sdpa, reference) check them in full anyway."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    import hf_varlen
-
-    cfg = LlamaConfig(
-        vocab_size=50,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        use_cache=False,
-    )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="varlen_packed")
-    hf_varlen.set_backend("flex", model=model)
-    return model
-
-
-def _batch(cu, max_len, n=12):
-    cu = torch.tensor(cu, dtype=torch.int32)
-    return dict(
-        input_ids=torch.randint(0, 50, (1, n)),
-        position_ids=torch.arange(n)[None],
-        cu_seq_lens_q=cu,
-        cu_seq_lens_k=cu,
-        max_length_q=max_len,
-        max_length_k=max_len,
-    )
+    """Three layers on ``flex``: it keeps the offsets on the device (clamped), where the
+    host-offset CPU backends (sdpa, reference) check them in full anyway."""
+    return tiny_llama(backend="flex")
 
 
 GOOD = ([0, 5, 12], 7)
@@ -69,23 +41,25 @@ SHORT_MSG = r"cu_seq_lens_q runs from 0 to 9 .* batch has 12 tokens"
 def test_first_batch_is_checked_synchronously(deferred):
     model = _tiny_llama()
     with pytest.raises(ValueError, match=SHORT_MSG) as err:
-        model(**_batch(*SHORT))
+        model(**collator_batch(*SHORT))
     assert "found" not in str(err.value)  # raised in the forward of the bad batch itself
     assert not deferred.armed
 
 
 @torch.no_grad()
-def test_later_batches_are_deferred_and_raise_at_the_next_batch(deferred):
+def test_later_batches_are_deferred_and_raise_at_the_nextcollator_batch(deferred):
     model = _tiny_llama()
-    model(**_batch(*GOOD))  # synchronous: arms the deferred path
+    model(**collator_batch(*GOOD))  # synchronous: arms the deferred path
     assert deferred.armed and not deferred.pending
-    out = model(**_batch(*SHORT))  # deferred: runs (offsets clamped on the device), no raise
+    out = model(
+        **collator_batch(*SHORT)
+    )  # deferred: runs (offsets clamped on the device), no raise
     assert out.logits.shape == (1, 12, 50) and torch.isfinite(out.logits).all()
     assert len(deferred.pending) == 1
     with pytest.raises(ValueError, match=SHORT_MSG + r".*found 1 batch\(es\) after"):
-        model(**_batch(*GOOD))
+        model(**collator_batch(*GOOD))
     assert not deferred.pending  # cleared after the error
-    model(**_batch(*GOOD))  # and the next good batch runs
+    model(**collator_batch(*GOOD))  # and the next good batch runs
 
 
 @torch.no_grad()
@@ -93,11 +67,11 @@ def test_check_pending_offsets_reads_them_now(deferred):
     import hf_varlen
 
     model = _tiny_llama()
-    model(**_batch(*GOOD))
-    model(**_batch(*GOOD))
+    model(**collator_batch(*GOOD))
+    model(**collator_batch(*GOOD))
     hf_varlen.check_pending_offsets()  # good: nothing raised, nothing left
     assert not deferred.pending
-    model(**_batch([0, 5, 12], 4))  # max_length 4 for a 7-token document
+    model(**collator_batch([0, 5, 12], 4))  # max_length 4 for a 7-token document
     with pytest.raises(ValueError, match="max_length_q is 4 but cu_seq_lens_q holds a 7-token"):
         hf_varlen.check_pending_offsets()
 
@@ -108,17 +82,17 @@ def test_one_check_per_batch_not_per_layer(deferred, monkeypatch):
     real = deferred.submit
     monkeypatch.setattr(deferred, "submit", lambda *a: submitted.append(1) or real(*a))
     model = _tiny_llama()  # three layers
-    model(**_batch(*GOOD))
-    model(**_batch(*GOOD))
-    model(**_batch(*GOOD))
+    model(**collator_batch(*GOOD))
+    model(**collator_batch(*GOOD))
+    model(**collator_batch(*GOOD))
     assert submitted == [1, 1]  # the first batch is the synchronous check
 
 
 def test_tensor_max_lengths_stay_synchronous(deferred):
     model = _tiny_llama()
     with torch.no_grad():
-        model(**_batch(*GOOD))
-        bad = _batch(*SHORT)
+        model(**collator_batch(*GOOD))
+        bad = collator_batch(*SHORT)
         bad["max_length_q"] = bad["max_length_k"] = torch.tensor(5)  # read in the same sync
         with pytest.raises(ValueError, match=SHORT_MSG) as err:
             model(**bad)
