@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_varlen.ops import cross_entropy as ce
+from hf_varlen.ops import cross_entropy_chunks as chunks
 from hf_varlen.ops.cross_entropy import fused_linear_cross_entropy
 from hf_varlen.reference.cross_entropy import linear_cross_entropy_reference
 from hf_varlen.testing import assert_numerics
@@ -185,7 +186,7 @@ def test_row_kernel_vocab_tail_ignored_and_out_of_range_rows():
         {},
         {"softcap": 3.0, "label_smoothing": 0.1, "z_loss": 0.01, "logit_scale": 1.5},
     ):
-        cfg = ce._LossConfig(
+        cfg = chunks.LossConfig(
             -100,
             "sum",
             kwargs.get("softcap"),
@@ -327,7 +328,10 @@ def test_gpu_fp32_weight_accumulator_and_fp16():
     h, w, b, y = _inputs(n=2048, hidden=128, vocab=5000, bias=True, seed=6)
     h, w, b, y = (t.cuda() for t in (h, w, b, y))
     _check_against_reference(h, w, b, y, torch.float16, kwargs={}, op_kwargs={"chunk_size": 256})
-    assert ce._addmm_out_dtype_ok(h.device, torch.float16) in (True, False)  # probed, no exception
+    assert chunks._addmm_out_dtype_ok(h.device, torch.float16) in (
+        True,
+        False,
+    )  # probed, no exception
 
 
 @pytest.mark.gpu
@@ -336,7 +340,7 @@ def test_gpu_row_kernel_long_indexing():
     rows, vocab = 16400, 131101  # 2.15e9 elements
     logits = torch.randn(rows, vocab, device="cuda", dtype=torch.bfloat16)
     labels = torch.randint(0, vocab, (rows,), device="cuda")
-    cfg = ce._LossConfig(-100, "sum", 30.0, 1.0, 0.0, 0.0, None, "triton")
+    cfg = chunks.LossConfig(-100, "sum", 30.0, 1.0, 0.0, 0.0, None, "triton")
     tail = logits[-8:].clone()
     loss = torch.empty(rows, device="cuda")
     ce.ce_rows_triton(logits, labels, loss, cfg, compute_grad=True)

@@ -1,7 +1,7 @@
 """The fused cross-entropy without row compaction (what runs while a CUDA graph is captured).
 
 Normally ignored rows are dropped before the matmuls, which needs their count on the host (one
-sync per loss call). During CUDA-graph capture ``ops.cross_entropy._compact_rows`` is False: every
+sync per loss call). During CUDA-graph capture ``ops.cross_entropy_chunks.compact_rows`` is False: every
 row goes through the chunk loop, ignored ones get zero loss and gradients from the row step, and
 the label count stays a device tensor. Here that path is forced on CPU (fp32, torch row step) and
 must follow the numerics rule with ref_lo = the compacting path (how the op normally runs) and
@@ -14,7 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_varlen.ops import cross_entropy as ce
+from hf_varlen.ops import cross_entropy_chunks as chunks
+from hf_varlen.ops import cross_entropy_ops as ce_ops
 from hf_varlen.ops.cross_entropy import fused_linear_cross_entropy
 from hf_varlen.reference.cross_entropy import linear_cross_entropy_reference
 from hf_varlen.testing import assert_numerics
@@ -35,13 +36,13 @@ def _inputs(n=29, hidden=8, vocab=70, *, dtype=torch.float32, all_ignored=False,
 
 def _run(monkeypatch, compact: bool | None, reduction: str, traced: bool, **kw):
     """(loss, dh, dW, db) of the op (compact None: the fp64 full-logits reference)."""
-    monkeypatch.setattr(ce, "_compact_rows", lambda hidden: compact)
+    monkeypatch.setattr(chunks, "compact_rows", lambda hidden: compact)
     h, w, b, y = _inputs(dtype=torch.float64 if compact is None else torch.float32, **kw)
     if compact is None:
         loss = linear_cross_entropy_reference(h, w, y, bias=b, reduction=reduction)
     elif traced:  # the registered op, as torch.compile calls it
-        cfg = ce._cfg_of(-100, reduction, None, 1.0, 0.0, 0.0, 8, "torch")
-        loss = ce._fused_linear_ce_traced(h, w, b, y, cfg)
+        cfg = ce_ops.cfg_of(-100, reduction, None, 1.0, 0.0, 0.0, 8, "torch")
+        loss = ce_ops.fused_linear_ce_traced(h, w, b, y, cfg)
     else:
         loss = fused_linear_cross_entropy(
             h, w, y, bias=b, reduction=reduction, chunk_size=8, backend="torch"
@@ -66,9 +67,9 @@ def test_uncompacted_rows_equal_compacted(monkeypatch, reduction, traced, all_ig
 
 
 def test_uncompacted_rows_read_nothing_back(monkeypatch):
-    monkeypatch.setattr(ce, "_compact_rows", lambda hidden: False)
+    monkeypatch.setattr(chunks, "compact_rows", lambda hidden: False)
     h, _, _, y = _inputs()
-    n_valid, idx, rows, labels = ce._kept_rows(h, y, -100)
+    n_valid, idx, rows, labels = chunks.kept_rows(h, y, -100)
     assert isinstance(n_valid, torch.Tensor) and n_valid.dim() == 0  # a device count, no int()
     assert idx is None and rows is h and labels is y
     assert int(n_valid) == int((y != -100).sum())
@@ -76,6 +77,6 @@ def test_uncompacted_rows_read_nothing_back(monkeypatch):
 
 def test_rows_are_compacted_outside_a_capture():
     h, _, _, y = _inputs()
-    assert ce._compact_rows(h)
-    n_valid, idx, rows, _ = ce._kept_rows(h, y, -100)
+    assert chunks.compact_rows(h)
+    n_valid, idx, rows, _ = chunks.kept_rows(h, y, -100)
     assert n_valid == int((y != -100).sum()) and rows.shape[0] == n_valid and idx is not None

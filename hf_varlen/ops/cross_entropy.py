@@ -18,7 +18,7 @@ non-ignored tokens; 0 with zero gradients when there are none, where F.cross_ent
 
 Algorithm. Tokens whose label is ignored are dropped first (one host sync to count them; their loss
 and gradients are exactly zero; while a CUDA graph is captured nothing is dropped, see
-``_compact_rows``), then the kept tokens are processed in chunks of C rows:
+``compact_rows``), then the kept tokens are processed in chunks of C rows:
 
     logits = h_c @ W^T (+ b)                      cuBLAS, into one reused (C, V) buffer
     row kernel: lse, loss_t, and dloss/dx written IN PLACE over the logits (fp32 math)
@@ -50,6 +50,10 @@ Python number read from a tensor. The public function calls it only while torch.
 eager calls keep the ``autograd.Function`` (a registered op's dispatch costs ~20 us more host time
 per call on CPU, torch 2.13). Both run the same chunk loop.
 
+Modules: this one (validation, the eager autograd.Function, the public function),
+``cross_entropy_chunks.py`` (row step launchers, the chunk loop, row compaction),
+``cross_entropy_ops.py`` (the registered ops), ``cross_entropy_kernel.py`` (the Triton row kernel).
+
 Shapes: hidden (..., H) (e.g. (B, T, H) or packed (T, H)), labels (...) aligned with hidden: the
 label of row t is the target for row t. The op does NOT shift; HF's causal shift belongs to the
 caller (``hf_varlen.integrations.loss`` does it). weight (V, H), bias (V,). Output: fp32 scalar for
@@ -59,252 +63,44 @@ caller (``hf_varlen.integrations.loss`` does it). weight (V, H), bias (V,). Outp
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import torch
 
 from .common import IGNORE_INDEX, check_int, env_flag
-from .library import compiling, qualname
+from .cross_entropy_chunks import (
+    LossConfig,
+    at_least_one,
+    ce_rows_torch,
+    ce_rows_triton,
+    default_chunk_size,
+    kept_rows,
+    linear_ce_chunks,
+    scatter_rows,
+)
+from .cross_entropy_ops import fused_linear_ce_traced
+from .library import compiling
 
-try:  # the Triton row kernel; without triton only the pure-torch row step exists
-    from .cross_entropy_kernel import ce_rows_triton
-except ModuleNotFoundError as exc:
-    if exc.name != "triton" and not (exc.name or "").startswith("triton."):
-        raise
-    ce_rows_triton = None
+__all__ = ["ce_rows_torch", "ce_rows_triton", "default_chunk_size", "fused_linear_cross_entropy"]
 
 _INTERPRET = env_flag("TRITON_INTERPRET")
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _REDUCTIONS = ("sum", "mean", "none")
 _BACKENDS = ("auto", "triton", "torch")
-# Logits-buffer budget per chunk: large enough that cuBLAS runs at full speed (C >= 2K rows), small
-# next to what HF materialises (V x N x 10 bytes and more).
-_CHUNK_BYTES = {"cuda": 1 << 30}
-_CHUNK_BYTES_DEFAULT = 1 << 26
 
 
 # ----------------------------------------------------------------------------------------------
-# Row step launchers (tensor in/out, no autograd): Triton (cross_entropy_kernel.py) and pure
-# torch, same contract
+# Autograd (eager): every gradient computed in the forward, scaled in the backward
 # ----------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _LossConfig:
-    ignore_index: int
-    reduction: str
-    softcap: float | None
-    logit_scale: float
-    label_smoothing: float
-    z_loss: float
-    chunk_size: int | None
-    backend: str  # "triton" | "torch" (resolved)
-
-
-def ce_rows_torch(
-    logits: torch.Tensor,
-    labels: torch.Tensor,
-    loss: torch.Tensor,
-    cfg: _LossConfig,
-    *,
-    compute_grad: bool,
-    row_scale: torch.Tensor | None = None,
-) -> None:
-    """Same contract as :func:`ce_rows_triton`, in torch ops (fp32 temporaries of the chunk)."""
-    n_rows, vocab = logits.shape
-    if n_rows == 0:
-        return
-    eps = cfg.label_smoothing
-    z = logits.float() * cfg.logit_scale
-    t = None
-    if cfg.softcap is not None:
-        t = torch.tanh(z / cfg.softcap)
-        z = t * cfg.softcap
-    lse = torch.logsumexp(z, dim=1)
-    ignored = labels == cfg.ignore_index
-    in_range = (labels >= 0) & (labels < vocab)
-    y = torch.where(in_range, labels, 0).long()[:, None]
-    row = lse - (1.0 - eps) * z.gather(1, y).squeeze(1)
-    if eps > 0.0:
-        row -= eps * z.mean(dim=1)
-    if cfg.z_loss > 0.0:
-        row += cfg.z_loss * lse.square()
-    row = torch.where(in_range, row, float("nan")).masked_fill(ignored, 0.0)
-    loss.copy_(row)
-    if not compute_grad:
-        return
-    g = z.sub_(lse[:, None]).exp_()
-    if cfg.z_loss > 0.0:
-        g *= (1.0 + 2.0 * cfg.z_loss * lse)[:, None]
-    if eps > 0.0:
-        g -= eps / vocab
-    g.scatter_add_(1, y, g.new_full(y.shape, eps - 1.0))
-    if t is not None:
-        g *= 1.0 - t.square()
-    scale = torch.full((n_rows,), cfg.logit_scale, dtype=torch.float32, device=g.device)
-    if row_scale is not None:
-        scale = scale * row_scale
-    g *= scale.masked_fill(ignored, 0.0)[:, None]
-    logits.copy_(g)
-
-
-# ----------------------------------------------------------------------------------------------
-# Chunk driver: matmuls + row step, all gradients during the forward
-# ----------------------------------------------------------------------------------------------
-
-_ADDMM_OUT_DTYPE_OK: dict[tuple, bool] = {}
-
-
-def _addmm_out_dtype_ok(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether ``addmm(acc32, a, b, out_dtype=float32, out=acc32)`` works here (probed once)."""
-    key = (device.type, device.index, dtype)
-    if key not in _ADDMM_OUT_DTYPE_OK:
-        ok = False
-        if device.type == "cuda":
-            try:
-                gen = torch.Generator(device=device).manual_seed(0)
-                a = torch.randn(64, 96, device=device, generator=gen).to(dtype).t()
-                b = torch.randn(64, 80, device=device, generator=gen).to(dtype)
-                acc = torch.randn(96, 80, device=device, generator=gen)
-                want = acc + a.float() @ b.float()
-                torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-                ok = bool(torch.allclose(acc, want, rtol=1e-3, atol=1e-3))
-            except (RuntimeError, TypeError, NotImplementedError):
-                ok = False
-        _ADDMM_OUT_DTYPE_OK[key] = ok
-    return _ADDMM_OUT_DTYPE_OK[key]
-
-
-def _accumulate_wgrad(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """acc (fp32) += a @ b with a, b in the compute dtype, rounding the product only into fp32."""
-    if a.dtype == acc.dtype:
-        acc.addmm_(a, b)
-    elif _addmm_out_dtype_ok(acc.device, a.dtype):
-        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-    else:
-        acc.add_(torch.mm(a, b))
-
-
-def default_chunk_size(n_rows: int, vocab: int, dtype: torch.dtype, device: torch.device) -> int:
-    """Chunk rows C (a multiple of 256) so the (C, V) logits buffer fits a per-device budget."""
-    budget = _CHUNK_BYTES.get(device.type, _CHUNK_BYTES_DEFAULT)
-    rows = budget // (vocab * torch.empty((), dtype=dtype).element_size())
-    return max(1, min(n_rows, max(256, rows // 256 * 256)))
-
-
-def linear_ce_chunks(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    labels: torch.Tensor,
-    cfg: _LossConfig,
-    *,
-    need_dh: bool,
-    need_dw: bool,
-    need_db: bool,
-    row_scale: torch.Tensor | None = None,
-):
-    """Loss per row (N,) fp32 and, if asked, dh (N, H), dW (V, H), db (V,) in the input dtypes.
-
-    hidden (N, H), labels (N,) may contain ignored rows (they get zero loss and gradient). The
-    gradients are those of sum(loss_t * row_scale_t) (row_scale = 1 when None).
-    """
-    n_rows, _ = hidden.shape
-    vocab = weight.shape[0]
-    compute_grad = need_dh or need_dw or need_db
-    chunk = cfg.chunk_size or default_chunk_size(n_rows, vocab, hidden.dtype, hidden.device)
-    rows_fn = ce_rows_triton if cfg.backend == "triton" else ce_rows_torch
-
-    loss = torch.empty(n_rows, dtype=torch.float32, device=hidden.device)
-    dh = torch.empty_like(hidden) if need_dh else None
-    dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_dw else None
-    db = torch.zeros(vocab, dtype=torch.float32, device=weight.device) if need_db else None
-    buf = torch.empty(min(chunk, n_rows), vocab, dtype=hidden.dtype, device=hidden.device)
-    w_t = weight.t()
-    h_c = lg = None
-    for start in range(0, n_rows, chunk):
-        stop = min(start + chunk, n_rows)
-        h_c, lg = hidden[start:stop], buf[: stop - start]
-        if bias is None:
-            torch.mm(h_c, w_t, out=lg)
-        else:
-            torch.addmm(bias, h_c, w_t, out=lg)
-        scale_c = None if row_scale is None else row_scale[start:stop]
-        rows_fn(
-            lg,
-            labels[start:stop],
-            loss[start:stop],
-            cfg,
-            compute_grad=compute_grad,
-            row_scale=scale_c,
-        )
-        if need_dh:
-            torch.mm(lg, weight, out=dh[start:stop])
-        if need_dw:
-            _accumulate_wgrad(dw, lg.t(), h_c)
-        if need_db:
-            db += lg.sum(dim=0, dtype=torch.float32)
-    del buf, h_c, lg  # free the chunk buffer (views included) before dW's cast allocates
-    if dw is not None and dw.dtype != weight.dtype:
-        dw = dw.to(weight.dtype)
-    if db is not None:
-        db = db.to(bias.dtype)
-    return loss, dh, dw, db
-
-
-# ----------------------------------------------------------------------------------------------
-# Autograd glue
-# ----------------------------------------------------------------------------------------------
-
-
-def _scatter_rows(values: torch.Tensor, idx: torch.Tensor | None, n_rows: int) -> torch.Tensor:
-    """Put the rows computed for the kept tokens back at their places among all n_rows (zeros)."""
-    if idx is None:
-        return values
-    out = values.new_zeros((n_rows, *values.shape[1:]))
-    return out.index_copy_(0, idx, values)
-
-
-def _compact_rows(hidden: torch.Tensor) -> bool:
-    """Whether ignored rows are dropped before the matmuls: always, except while a CUDA graph is
-    captured, where counting them (a host read) is illegal; then every row goes through the
-    chunk loop (ignored ones get zero loss and gradients from the row step: more FLOPs, same
-    result, no sync)."""
-    return not (hidden.is_cuda and torch.cuda.is_current_stream_capturing())
-
-
-def _kept_rows(hidden: torch.Tensor, labels: torch.Tensor, ignore_index: int):
-    """(n_valid, idx, h, y): the rows whose label is not ignored (idx None when all are kept).
-
-    Ignored tokens are dropped before the matmuls: their loss and gradients are exactly zero.
-    Counting them is the op's one host sync: the chunk loop needs the row count. Without
-    compaction (``_compact_rows``) nothing is dropped and ``n_valid`` is a 0-d device tensor."""
-    keep = labels != ignore_index
-    if not _compact_rows(hidden):
-        return keep.sum(), None, hidden, labels
-    # Host read, intended: once per loss call (not per layer), and inside the opaque custom op
-    # torch.compile sees (torch.ops.hf_varlen.fused_linear_ce), so it never breaks the graph;
-    # skipped while a CUDA graph is captured (above).
-    n_valid = int(keep.sum())
-    idx = None if n_valid == hidden.shape[0] else keep.nonzero().squeeze(1)
-    h = hidden if idx is None else hidden.index_select(0, idx)
-    y = labels if idx is None else labels.index_select(0, idx)
-    return n_valid, idx, h, y
-
-
-def _at_least_one(n_valid):
-    """max(n_valid, 1) for an int or a 0-d tensor: no label token divides by 1, not 0."""
-    return n_valid.clamp(min=1) if isinstance(n_valid, torch.Tensor) else max(n_valid, 1)
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, cfg: _LossConfig):
+    def forward(ctx, hidden, weight, bias, labels, cfg: LossConfig):
         need_dh, need_dw, need_db = ctx.needs_input_grad[:3]
         need_grad = need_dh or need_dw or need_db
         n_rows = hidden.shape[0]
-        n_valid, idx, h, y = _kept_rows(hidden, labels, cfg.ignore_index)
+        n_valid, idx, h, y = kept_rows(hidden, labels, cfg.ignore_index)
         ctx.cfg, ctx.idx, ctx.n_rows, ctx.n_valid = cfg, idx, n_rows, n_valid
 
         # "none" has a per-token grad_output, known only in backward: recompute there.
@@ -322,13 +118,13 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         if defer:
             ctx.save_for_backward(h, weight, bias, y)
         elif need_grad:
-            ctx.grads = (None if dh is None else _scatter_rows(dh, idx, n_rows), dw, db)
+            ctx.grads = (None if dh is None else scatter_rows(dh, idx, n_rows), dw, db)
 
         if cfg.reduction == "none":
-            return _scatter_rows(loss, idx, n_rows)
+            return scatter_rows(loss, idx, n_rows)
         total = loss.sum()
         # max(.., 1): no label token gives 0 (an empty sum), not 0 / 0 = NaN
-        return total if cfg.reduction == "sum" else total / _at_least_one(n_valid)
+        return total if cfg.reduction == "sum" else total / at_least_one(n_valid)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -349,7 +145,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 need_db=ctx.needs_input_grad[2],
                 row_scale=scale.contiguous(),
             )
-            dh = None if dh is None else _scatter_rows(dh, ctx.idx, ctx.n_rows)
+            dh = None if dh is None else scatter_rows(dh, ctx.idx, ctx.n_rows)
             return dh, dw, db, None, None
 
         grads = getattr(ctx, "grads", None)
@@ -362,197 +158,9 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         ctx.grads = None
         factor = grad_out.float()
         if cfg.reduction == "mean":  # the gradients are all zero when n_valid == 0
-            factor = factor / _at_least_one(ctx.n_valid)
+            factor = factor / at_least_one(ctx.n_valid)
         # In place: these buffers belong to this node only and are released right here.
         return tuple(None if g is None else g.mul_(factor) for g in grads) + (None, None)
-
-
-# ----------------------------------------------------------------------------------------------
-# Registered op (what torch.compile sees): opaque custom_op, gradients as outputs
-# ----------------------------------------------------------------------------------------------
-# The chunk loop is cuBLAS matmuls around a row kernel plus one host sync (the kept-row count),
-# so it stays one opaque op: Inductor has nothing to fuse across it, and the sync happens inside
-# the op (no graph break, nothing read into Python while tracing). The forward returns the loss,
-# the gradients of the unscaled loss and the kept-token count as a tensor; the backward scales
-# them by grad_output (divided by that count for "mean"), as the autograd.Function does. Unneeded
-# gradients are empty (0,) tensors. "none" computes no gradient in the forward; its backward is
-# the second op, which recomputes the logits with the per-token grad_output as row scale.
-
-
-def _cfg_of(
-    ignore_index: int,
-    reduction: str,
-    softcap: float | None,
-    logit_scale: float,
-    label_smoothing: float,
-    z_loss: float,
-    chunk_size: int | None,
-    backend: str,
-) -> _LossConfig:
-    return _LossConfig(
-        ignore_index, reduction, softcap, logit_scale, label_smoothing, z_loss, chunk_size, backend
-    )
-
-
-@torch.library.custom_op(qualname("fused_linear_ce"), mutates_args=())
-def _fused_linear_ce_op(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    labels: torch.Tensor,
-    ignore_index: int,
-    reduction: str,
-    softcap: float | None,
-    logit_scale: float,
-    label_smoothing: float,
-    z_loss: float,
-    chunk_size: int | None,
-    backend: str,
-    need_dh: bool,
-    need_dw: bool,
-    need_db: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    cfg = _cfg_of(
-        ignore_index, reduction, softcap, logit_scale, label_smoothing, z_loss, chunk_size, backend
-    )
-    n_rows = hidden.shape[0]
-    n_valid, idx, h, y = _kept_rows(hidden, labels, ignore_index)
-    defer = reduction == "none"
-    loss, dh, dw, db = linear_ce_chunks(
-        h,
-        weight,
-        bias,
-        y,
-        cfg,
-        need_dh=need_dh and not defer,
-        need_dw=need_dw and not defer,
-        need_db=need_db and not defer,
-    )
-    if reduction == "none":
-        loss = _scatter_rows(loss, idx, n_rows)
-    else:
-        loss = loss.sum()
-        loss = loss if reduction == "sum" else loss / _at_least_one(n_valid)
-    empty = hidden.new_empty
-    return (
-        loss,
-        empty(0) if dh is None else _scatter_rows(dh, idx, n_rows),
-        empty(0, dtype=weight.dtype) if dw is None else dw,
-        empty(0, dtype=weight.dtype) if db is None else db,
-        torch.as_tensor(n_valid, dtype=torch.int64, device=hidden.device),
-    )
-
-
-@_fused_linear_ce_op.register_fake
-def _fused_linear_ce_fake(
-    hidden, weight, bias, labels, ignore_index, reduction, softcap, logit_scale,
-    label_smoothing, z_loss, chunk_size, backend, need_dh, need_dw, need_db,
-):  # fmt: skip
-    defer = reduction == "none"
-    fp32 = torch.float32
-    loss = hidden.new_empty(labels.shape if defer else (), dtype=fp32)
-    dh = hidden.new_empty(hidden.shape if need_dh and not defer else (0,))
-    dw = weight.new_empty(weight.shape if need_dw and not defer else (0,))
-    db = weight.new_empty((weight.shape[0],) if need_db and not defer else (0,))
-    return loss, dh, dw, db, hidden.new_empty((), dtype=torch.int64)
-
-
-@torch.library.custom_op(qualname("fused_linear_ce_rows_bwd"), mutates_args=())
-def _fused_linear_ce_rows_bwd_op(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    labels: torch.Tensor,
-    grad_rows: torch.Tensor,
-    ignore_index: int,
-    softcap: float | None,
-    logit_scale: float,
-    label_smoothing: float,
-    z_loss: float,
-    chunk_size: int | None,
-    backend: str,
-    need_dh: bool,
-    need_dw: bool,
-    need_db: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of sum(loss_t * grad_rows_t) (reduction "none"); unneeded ones are (0,)."""
-    cfg = _cfg_of(
-        ignore_index, "none", softcap, logit_scale, label_smoothing, z_loss, chunk_size, backend
-    )
-    _, idx, h, y = _kept_rows(hidden, labels, ignore_index)
-    scale = grad_rows.float() if idx is None else grad_rows.float().index_select(0, idx)
-    _, dh, dw, db = linear_ce_chunks(
-        h, weight, bias, y, cfg, need_dh=need_dh, need_dw=need_dw, need_db=need_db,
-        row_scale=scale.contiguous(),
-    )  # fmt: skip
-    empty = hidden.new_empty
-    return (
-        empty(0) if dh is None else _scatter_rows(dh, idx, hidden.shape[0]),
-        empty(0, dtype=weight.dtype) if dw is None else dw,
-        empty(0, dtype=weight.dtype) if db is None else db,
-    )
-
-
-@_fused_linear_ce_rows_bwd_op.register_fake
-def _fused_linear_ce_rows_bwd_fake(
-    hidden, weight, bias, labels, grad_rows, ignore_index, softcap, logit_scale,
-    label_smoothing, z_loss, chunk_size, backend, need_dh, need_dw, need_db,
-):  # fmt: skip
-    return (
-        hidden.new_empty(hidden.shape if need_dh else (0,)),
-        weight.new_empty(weight.shape if need_dw else (0,)),
-        weight.new_empty((weight.shape[0],) if need_db else (0,)),
-    )
-
-
-def _ce_setup_context(ctx, inputs, output) -> None:
-    hidden, weight, bias, labels, ignore_index, reduction, *rest = inputs
-    ctx.reduction, ctx.cfg_args, ctx.computed = reduction, (ignore_index, *rest[:-3]), rest[-3:]
-    if reduction == "none":
-        ctx.save_for_backward(hidden, weight, bias, labels)
-    else:
-        ctx.save_for_backward(*output[1:])
-
-
-def _ce_op_backward(ctx, grad_loss, *_unused):
-    need = tuple(ctx.needs_input_grad[:3])
-    missing = [n for n, a, c in zip(("need_dh", "need_dw", "need_db"), need, ctx.computed) if a > c]
-    if missing and ctx.reduction != "none":
-        raise RuntimeError(
-            f"fused_linear_ce: autograd needs a gradient the forward did not compute; call the op "
-            f"with {', '.join(missing)}=True for inputs that require grad"
-        )
-    if ctx.reduction == "none":
-        hidden, weight, bias, labels = ctx.saved_tensors
-        ignore_index, *rest = ctx.cfg_args
-        grads = _fused_linear_ce_rows_bwd_op(
-            hidden, weight, bias, labels, grad_loss, ignore_index, *rest, *need
-        )
-    else:
-        dh, dw, db, n_valid = ctx.saved_tensors
-        factor = grad_loss.float()
-        if ctx.reduction == "mean":  # the gradients are all zero when no token is kept
-            factor = factor / n_valid.clamp(min=1)
-        grads = tuple(g * factor for g in (dh, dw, db))
-    dh, dw, db = (g if n else None for g, n in zip(grads, need))
-    return (dh, dw, db) + (None,) * 12
-
-
-_fused_linear_ce_op.register_autograd(_ce_op_backward, setup_context=_ce_setup_context)
-
-
-def _fused_linear_ce_traced(hidden, weight, bias, labels, cfg: _LossConfig) -> torch.Tensor:
-    """The autograd.Function's result through the registered op (under torch.compile)."""
-    grad = torch.is_grad_enabled()
-    needs = (
-        grad and hidden.requires_grad,
-        grad and weight.requires_grad,
-        grad and bias is not None and bias.requires_grad,
-    )
-    return _fused_linear_ce_op(
-        hidden, weight, bias, labels, cfg.ignore_index, cfg.reduction, cfg.softcap,
-        cfg.logit_scale, cfg.label_smoothing, cfg.z_loss, cfg.chunk_size, cfg.backend, *needs,
-    )[0]  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------
@@ -705,7 +313,7 @@ def fused_linear_cross_entropy(
         logit_scale,
     )
     check_int("ignore_index", ignore_index, None)
-    cfg = _LossConfig(
+    cfg = LossConfig(
         ignore_index=ignore_index,
         reduction=reduction,
         softcap=None if softcap is None else float(softcap),
@@ -722,7 +330,7 @@ def fused_linear_cross_entropy(
     y = labels.reshape(-1)
     with torch.autocast(hidden.device.type, enabled=False):
         if compiling():
-            loss = _fused_linear_ce_traced(h2, weight, bias, y, cfg)
+            loss = fused_linear_ce_traced(h2, weight, bias, y, cfg)
         else:
             loss = _FusedLinearCrossEntropy.apply(h2, weight, bias, y, cfg)
     return loss.view(lead_shape) if reduction == "none" else loss
