@@ -47,6 +47,8 @@ profiled step per model (``profile_<model>.md``: device time by category and the
 from __future__ import annotations
 
 import argparse
+import functools
+import inspect
 import itertools
 import json
 import re
@@ -93,15 +95,22 @@ BENCH_ONLY = ("liger", "plain_compile")  # mode keys that are not TrainConfig fi
 # The floor: the simplest varlen attention anyone could register with transformers.
 
 
+@functools.cache
+def _varlen_attn_has_gqa() -> bool:
+    """Whether torch's ``varlen_attn`` takes ``enable_gqa`` (torch 2.13 does, 2.11 does not); asked
+    once, so the floor pays no per-call ``inspect.signature``."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    return "enable_gqa" in inspect.signature(varlen_attn).parameters
+
+
 def minimal_varlen_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
     """Packed (1, H, T, D) q/k/v -> torch ``varlen_attn`` over ``cu_seq_lens_q`` -> (1, T, H, D)."""
-    import inspect
-
     from torch.nn.attention.varlen import varlen_attn
 
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # (T, H, D)
     extra = {}
-    if "enable_gqa" in inspect.signature(varlen_attn).parameters:
+    if _varlen_attn_has_gqa():
         extra["enable_gqa"] = True
     else:  # torch 2.11: no GQA flag, expand the KV heads
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
