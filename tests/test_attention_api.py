@@ -221,6 +221,35 @@ def test_tensor_cache_identity_version_and_inference_tensors():
     assert cache.get_or_compute(b, compute) == 6
 
 
+def test_tensor_cache_neither_serves_nor_stores_during_cuda_graph_capture(monkeypatch):
+    """Replays of a captured graph bring new data into the same tensors (same identity, same
+    version): a value cached at warm-up would be stale there, so it must be computed inside the
+    graph. (The capture itself needs CUDA; the predicate is faked here.)"""
+    from hf_varlen.ops import common
+
+    cache = TensorCache(size=2)
+    calls = []
+
+    def compute():
+        calls.append(1)
+        return len(calls)
+
+    a = torch.zeros(3)
+    assert cache.get_or_compute(a, compute) == 1  # the warm-up, outside any capture
+    monkeypatch.setattr(common, "capturing", lambda tensors: True)
+    assert cache.get_or_compute(a, compute) == 2  # not served from the warm-up
+    assert cache.get_or_compute(a, compute) == 3  # and nothing stored during the capture
+    monkeypatch.undo()
+    assert cache.get_or_compute(a, compute) == 1  # the warm-up value again, outside
+
+
+def test_capturing_is_not_asked_for_cpu_tensors():
+    from hf_varlen.ops.common import capturing
+
+    # on a CPU-only torch build torch.cuda.is_current_stream_capturing() raises: never reached
+    assert capturing((torch.zeros(2), torch.zeros(1, dtype=torch.int32))) is False
+
+
 def test_metadata_from_rows_cached_per_shape():
     from hf_varlen.metadata import from_rows
 

@@ -102,6 +102,16 @@ def clamp_offsets(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     return torch.cummax(cu_seqlens.to(torch.int64).clamp(0, total), dim=0).values
 
 
+def capturing(tensors) -> bool:
+    """Whether a CUDA graph is being captured on the current stream while these tensors are used.
+
+    A value cached before the capture holds the warm-up batch's data, and replays bring new data
+    into the same tensors (same identity, same version): whatever derives from them must be
+    computed inside the graph, so caches neither serve nor store then. (Only asked for CUDA
+    tensors: CPU-only torch builds cannot answer it.)"""
+    return any(t.is_cuda for t in tensors) and torch.cuda.is_current_stream_capturing()
+
+
 class TensorCache:
     """A few values derived from tensors, keyed on the tensors' identity and version counter.
 
@@ -110,7 +120,8 @@ class TensorCache:
     batch, not once per layer. Contents are never hashed; an in-place edit of a key tensor bumps its
     version and misses. ``size`` entries are kept, least recently used dropped first. Under
     ``torch.compile`` tracing nothing is cached (identity means nothing to a traced graph), nor for
-    inference-mode tensors (they have no version counter, so an in-place edit could not be seen).
+    inference-mode tensors (they have no version counter, so an in-place edit could not be seen),
+    nor while a CUDA graph is captured (``capturing``).
     ``tensors`` may be empty: the key is then ``extra`` alone (a value derived from ints).
 
         cache = TensorCache(size=4)
@@ -125,7 +136,7 @@ class TensorCache:
 
     @staticmethod
     def _key(tensors: tuple[torch.Tensor, ...], extra: Hashable) -> tuple | None:
-        if any(t.is_inference() for t in tensors):
+        if any(t.is_inference() for t in tensors) or capturing(tensors):
             return None
         return (tuple((id(t), t._version) for t in tensors), extra)
 
