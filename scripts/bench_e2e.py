@@ -20,6 +20,8 @@ Modes (``--modes``, comma-separated):
     liger_packed         minimal_varlen + Liger (rope, swiglu, rmsnorm, fused linear CE), if installed
     hf_varlen-compile    hf_varlen under ``hf-varlen train --compile`` (Inductor, fullgraph, every
                          pack marked dynamic: hf_varlen.training.compiling)
+    hf_varlen-graphs     hf_varlen-compile with ``--compile-mode reduce-overhead`` (CUDA graphs via
+                         Inductor's cudagraph trees) and ``--static-shapes`` (one graph per bucket)
     minimal_varlen-compile  minimal_varlen under plain ``torch.compile(model)`` (default everything:
                          no fullgraph, automatic dynamic shapes), applied to the training model
                          after the trainer's eager trial forward: what a user would write, the
@@ -84,6 +86,14 @@ MODES: dict[str, dict] = {
     ),
     "minimal_varlen-compile": dict(
         attn_implementation=MINIMAL_ATTN, fused_kernels="off", fused_loss="off", plain_compile=True
+    ),
+    "hf_varlen-graphs": dict(
+        attn_backend="auto",
+        fused_kernels="on",
+        fused_loss="on",
+        compile=True,
+        compile_mode="reduce-overhead",
+        static_shapes=True,
     ),
 }
 DEFAULT_MODES = "padded_sdpa,packed_sdpa,packed_flex,minimal_varlen,hf_varlen,hf_varlen-attn,hf_varlen-kernels,hf_varlen-loss,liger_packed"

@@ -12,6 +12,7 @@
 #   bash scripts/gpu_evidence.sh baseline  OUT_DIR   # attention/rope timings, .baseline/ vs this tree
 #   bash scripts/gpu_evidence.sh compile   OUT_DIR   # bench_e2e: compiled vs eager, batch 32/8/128
 #                                                     (a 1B-shape compile cell takes 100-200 s on the H200)
+#   bash scripts/gpu_evidence.sh graphs    OUT_DIR   # bench_e2e: --compile-mode reduce-overhead, B32/8
 #   bash scripts/gpu_evidence.sh coverage  OUT_DIR   # bench_coverage_check: the eager offsets check
 #
 # `tests` takes optional test files after OUT_DIR (default: every file that holds a GPU test), and
@@ -107,6 +108,12 @@ compile)
         --plots-dir "$out/compile" --tokenizer "$data/qwen2" --alpaca "$data/alpaca_5000.json" \
         --lima "$data/lima.json" --modes minimal_varlen,minimal_varlen-compile,hf_varlen,hf_varlen-compile \
         --batch-sizes 32,8,128 --steps 15 --warmup 5 --timeout 240  # B32 first: the headline
+    ;;
+graphs)
+    step bench_e2e_graphs 560 python3 scripts/bench_e2e.py --out "$out/graphs" \
+        --plots-dir "$out/graphs" --tokenizer "$data/qwen2" --alpaca "$data/alpaca_5000.json" \
+        --lima "$data/lima.json" --modes hf_varlen,hf_varlen-compile,hf_varlen-graphs \
+        --batch-sizes 32,8 --steps 15 --warmup 5 --timeout 240
     ;;
 coverage)
     step bench_coverage_check 150 python3 scripts/bench_coverage_check.py --layers 16 \

@@ -183,6 +183,9 @@ def test_compile_modes_configuration():
     )
     args = bench_e2e.parse_args(["--modes", bench_e2e.COMPILE_MODES])
     assert args.modes == bench_e2e.COMPILE_MODES.split(",") and args.compile_backend == "inductor"
+    graphs = bench_e2e.train_config({**run, "mode": "hf_varlen-graphs"}, "cuda")
+    assert graphs.compile and graphs.compile_mode == "reduce-overhead" and graphs.static_shapes
+    assert cfg.compile_mode == "default" and not cfg.static_shapes
 
 
 @pytest.mark.slow

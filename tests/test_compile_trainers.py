@@ -88,6 +88,50 @@ def test_train_compile_flags_and_refusals(tmp_path):
         PackedTrainer(_tiny(tmp_path, "b", compile=True, compile_backend="no_such_backend"))
 
 
+def test_train_compile_mode_flags_and_refusals(tmp_path):
+    cfg = parse_args(["--compile", "--compile-mode", "reduce-overhead"])
+    assert cfg.compile_mode == "reduce-overhead" and parse_args([]).compile_mode == "default"
+    with pytest.raises(ValueError, match="--compile-mode 'reduce-overhead' applies only with"):
+        PackedTrainer(_tiny(tmp_path, "a", compile_mode="reduce-overhead"))
+    with pytest.raises(ValueError, match="--compile-mode 'fastest': expected one of"):
+        PackedTrainer(_tiny(tmp_path, "b", compile=True, compile_mode="fastest"))
+    with pytest.raises(ValueError, match="is an Inductor mode, but --compile-backend"):
+        PackedTrainer(
+            _tiny(
+                tmp_path,
+                "c",
+                compile=True,
+                compile_mode="max-autotune",
+                compile_backend="aot_eager",
+            )
+        )
+
+
+def test_train_compile_mode_reaches_inductor(tmp_path, monkeypatch):
+    """--compile-mode hands Inductor the mode's config patches, as torch.compile(mode=...) does
+    (on CPU Inductor skips CUDA graphs itself), and every micro-step is a new cudagraph step."""
+    import torch._inductor.compile_fx as compile_fx_module
+
+    seen, steps = [], []
+    real = compile_fx_module.compile_fx
+
+    def spy(gm, example_inputs, config_patches=None, **kw):
+        seen.append(dict(config_patches or {}))
+        return real(gm, example_inputs, config_patches=config_patches, **kw)
+
+    monkeypatch.setattr(compile_fx_module, "compile_fx", spy)
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: steps.append(1))
+    _fresh()
+    cfg = _tiny(tmp_path, "ro", compile=True, compile_mode="reduce-overhead", max_steps=3)
+    _, summary, _ = _losses(cfg)
+    # our backend's calls carry the patches (compile_fx calls itself again inside, without them)
+    ours = [p for p in seen if p]
+    assert ours == [{"triton.cudagraphs": True}] * summary["compile"]["compilations"], seen
+    assert len(steps) >= 3  # one per micro-step (and per eval call)
+    assert summary["compile"]["mode"] == "reduce-overhead"
+    assert "mode reduce-overhead" in summary["compile"]["text"]
+
+
 def test_train_compile_failure_raises_with_the_reason(tmp_path):
     """A compile that fails is an error naming the reason, never a silent eager run."""
     from torch._dynamo import register_backend

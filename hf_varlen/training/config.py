@@ -152,6 +152,12 @@ class TrainConfig:
         "advanced: torch.compile backend for --compile; aot_eager traces without generating "
         "code (CPU tests, debugging)",
     )
+    compile_mode: str = _opt(
+        "default",
+        "Inductor mode for --compile: default; reduce-overhead (CUDA graphs through Inductor's "
+        "cudagraph trees, one graph per batch shape: pair it with --static-shapes); "
+        "max-autotune; max-autotune-no-cudagraphs; lite",
+    )
     # LoRA.
     lora: bool = _opt(False, "train LoRA adapters (needs `peft`)")
     lora_r: int = _opt(16, "LoRA rank")
