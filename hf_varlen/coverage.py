@@ -74,7 +74,8 @@ def check_now(cu_q, cu_k, max_q, max_k, total_q: int, total_k: int) -> tuple[int
     error = coverage_error(host, total_q, total_k, mq, mk)
     if error is not None:
         raise ValueError(error)
-    DEFERRED.armed = True
+    if cu_q.device.type in DEFER_DEVICES:  # a CPU batch says nothing about the GPU's first one
+        DEFERRED.armed = True
     return mq, mk
 
 

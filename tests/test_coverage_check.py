@@ -46,8 +46,19 @@ def test_first_batch_is_checked_synchronously(deferred):
     assert not deferred.armed
 
 
+def test_a_cpu_batch_does_not_arm_the_deferred_path():
+    coverage.DEFERRED.reset()
+    metadata._KWARGS_CACHE.clear()
+    try:
+        with torch.no_grad():
+            tiny_llama(backend="flex")(**collator_batch(*GOOD))  # CPU: synchronous, not deferred
+        assert not coverage.DEFERRED.armed  # the first CUDA batch will still be checked at once
+    finally:
+        coverage.DEFERRED.reset()
+
+
 @torch.no_grad()
-def test_later_batches_are_deferred_and_raise_at_the_nextcollator_batch(deferred):
+def test_later_batches_are_deferred_and_raise_at_the_next_batch(deferred):
     model = _tiny_llama()
     model(**collator_batch(*GOOD))  # synchronous: arms the deferred path
     assert deferred.armed and not deferred.pending
