@@ -143,3 +143,124 @@ def test_packed_trainer_reads_pending_checks_every_step(tmp_path, monkeypatch):
     )
     PackedTrainer(cfg).run()
     assert calls == [1, 1, 1]
+
+
+# ---- HF Trainer: OffsetsCheckCallback ---------------------------------------------------------------
+
+
+class _Rows(torch.utils.data.Dataset):
+    def __init__(self, n=16):
+        g = torch.Generator().manual_seed(0)
+        lengths = torch.randint(3, 9, (n,), generator=g)
+        self.rows = [
+            {"input_ids": torch.randint(0, 50, (int(m),), generator=g).tolist()} for m in lengths
+        ]
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return self.rows[i]
+
+
+class _BreaksOnSecondBatch:
+    """PackingCollator output whose cu_seq_lens end one token early from the second batch on."""
+
+    def __init__(self):
+        import hf_varlen
+
+        self.inner, self.calls = hf_varlen.PackingCollator(), 0
+
+    def __call__(self, features):
+        batch = self.inner(features)
+        self.calls += 1
+        if self.calls >= 2:
+            for key in ("cu_seq_lens_q", "cu_seq_lens_k"):
+                batch[key] = batch[key].clone()
+                batch[key][-1] -= 1
+        return batch
+
+
+@pytest.fixture
+def device_offsets_backend():
+    """A CPU backend with a backward that, like the triton / FlashAttention ones, never reads the
+    offsets on the host (attention output = v repeated over the query heads: the check under test
+    does not depend on the attention math). CPU's trainable backends (sdpa, reference) check host
+    offsets in full themselves, so they cannot show a deferred check."""
+    from hf_varlen.backends import BackendSpec, registry
+
+    def fn(q, k, v, metadata, params):
+        return v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+
+    spec = BackendSpec(
+        name="test_device_offsets",
+        fn=fn,
+        description="test only",
+        requires="nothing",
+        devices=frozenset({"cpu"}),
+        dtypes=frozenset({torch.float32}),
+    )
+    registry.register_backend(spec)
+    yield spec.name
+    registry._REGISTRY.pop(spec.name, None)
+
+
+def _hf_trainer(tmp_path, collator, callbacks, steps=3, backend="sdpa"):
+    from transformers import Trainer, TrainingArguments
+
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "run"),
+        use_cpu=True,
+        per_device_train_batch_size=4,
+        max_steps=steps,
+        learning_rate=1e-2,
+        lr_scheduler_type="constant",
+        report_to="none",
+        save_strategy="no",
+        seed=0,
+        dataloader_num_workers=0,
+    )
+    model = tiny_llama(backend=backend)
+    return Trainer(
+        model=model, args=args, train_dataset=_Rows(), data_collator=collator, callbacks=callbacks
+    )
+
+
+def test_offsets_check_callback_runs_before_every_optimizer_step(tmp_path, monkeypatch):
+    import hf_varlen
+    from hf_varlen.integrations import trainer_callbacks
+
+    calls = []
+    monkeypatch.setattr(trainer_callbacks, "check_pending_offsets", lambda: calls.append(1))
+    trainer = _hf_trainer(tmp_path, hf_varlen.PackingCollator(), [hf_varlen.OffsetsCheckCallback()])
+    trainer.train()
+    assert calls == [1, 1, 1]
+
+
+def test_offsets_check_callback_stops_a_bad_batch_before_its_update(
+    tmp_path, deferred, device_offsets_backend
+):
+    """Batch 1 is checked synchronously (and is good); batch 2's cu_seq_lens end early: its check
+    is deferred, its forward and backward run, and the callback raises before its optimizer step,
+    so the weights are still those after step 1."""
+    from transformers import TrainerCallback
+
+    import hf_varlen
+
+    class Snapshot(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            self.weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    snap = Snapshot()
+    trainer = _hf_trainer(
+        tmp_path,
+        _BreaksOnSecondBatch(),
+        [hf_varlen.OffsetsCheckCallback(), snap],
+        backend=device_offsets_backend,
+    )
+    with pytest.raises(ValueError, match=r"cu_seq_lens_q runs from 0 to \d+ .* batch has") as info:
+        trainer.train()
+    assert any(entry.name == "on_pre_optimizer_step" for entry in info.traceback)  # not forward
+    assert trainer.state.global_step == 1
+    for name, p in trainer.model.named_parameters():
+        assert torch.equal(p.detach(), snap.weights[name]), name

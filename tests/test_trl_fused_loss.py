@@ -186,6 +186,10 @@ def test_fused_loss_matches_sft_trainer_fp32(setup, tmp_path, mode):
     lo = _train(setup, tmp_path, mode, fused=False, bf16=False)
     x = _train(setup, tmp_path, mode, fused=True, bf16=False)
     _check(f"{mode} fp32", x, hi, lo)
+    from hf_varlen import OffsetsCheckCallback
+
+    callbacks = x[2].callback_handler.callbacks  # pending offset checks read before each update
+    assert sum(isinstance(cb, OffsetsCheckCallback) for cb in callbacks) == 1
 
 
 @pytest.mark.slow

@@ -59,6 +59,7 @@ import torch
 from trl import SFTTrainer
 
 from .loss import install_fused_cross_entropy, is_fused_cross_entropy_installed
+from .trainer_callbacks import OffsetsCheckCallback
 
 __all__ = ["VarlenSFTTrainer"]
 
@@ -101,6 +102,7 @@ class VarlenSFTTrainer(SFTTrainer):
         if fused_cross_entropy_kwargs is not None or not is_fused_cross_entropy_installed(lm):
             # Raises NotImplementedError / TypeError for losses it cannot reproduce.
             install_fused_cross_entropy(lm, **(fused_cross_entropy_kwargs or {}))
+        self.add_callback(OffsetsCheckCallback())  # free: num_tokens reads back every step
         for name in ("_metrics", "_total_train_tokens", "_tp_size"):
             if not hasattr(self, name):  # SFTTrainer's metric state, which log() reads
                 raise RuntimeError(
