@@ -104,7 +104,7 @@ def test_every_mode_maps_to_a_valid_train_config():
 
 
 @pytest.mark.parametrize("gqa_flag", [True, False])
-def test_minimal_varlen_adapter_matches_padded(monkeypatch, gqa_flag):
+def test_minimal_varlen_adapter_matches_padded(monkeypatch, request, gqa_flag):
     """The floor mode's adapter (CUDA-only in real runs) over a stand-in ``varlen_attn`` with the
     torch 2.13 (enable_gqa) or 2.11 (no flag: KV expanded) signature: same loss as padded sdpa."""
     import torch.nn.attention.varlen as varlen_mod
@@ -134,6 +134,9 @@ def test_minimal_varlen_adapter_matches_padded(monkeypatch, gqa_flag):
             return attention_reference(q, k, v, cu_q, cu_k, softmax_scale=scale)
 
     monkeypatch.setattr(varlen_mod, "varlen_attn", fake)
+    # the adapter asks varlen_attn's signature once per process; this test swaps varlen_attn
+    bench_e2e._varlen_attn_has_gqa.cache_clear()
+    request.addfinalizer(bench_e2e._varlen_attn_has_gqa.cache_clear)
     bench_e2e.register_minimal_attention()
     torch.manual_seed(0)
     config = LlamaConfig(
