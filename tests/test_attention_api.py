@@ -250,6 +250,19 @@ def test_capturing_is_not_asked_for_cpu_tensors():
     assert capturing((torch.zeros(2), torch.zeros(1, dtype=torch.int32))) is False
 
 
+def test_host_offset_backend_refuses_a_cuda_graph_capture(monkeypatch):
+    """Inside a capture the host read would fail in CUDA without a word: a clear error instead,
+    raised before the backend launches anything. (The capture itself needs CUDA; faked here.)"""
+    from hf_varlen.ops import common
+
+    q = torch.randn(10, 2, 8)
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    monkeypatch.setattr(common, "capturing", lambda tensors: True)
+    for backend in ("sdpa", "reference"):
+        with pytest.raises(RuntimeError, match="reads the offsets on the host.*CUDA graph"):
+            hf_varlen.varlen_attention(q, q, q, cu, cu, 6, 6, backend=backend)
+
+
 def test_metadata_from_rows_cached_per_shape():
     from hf_varlen.metadata import from_rows
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..ops import common
 from ..ops.common import TensorCache, check_offsets, clamp_offsets
 
 _HOST = TensorCache(size=2)  # cu_q and cu_k of the current batch
@@ -41,8 +42,15 @@ def host_offsets(cu_seqlens: torch.Tensor, name: str, total: int, max_len: int) 
     ``total``, no document longer than ``max_len``) is always on; bad offsets raise ValueError.
     """
 
+    if common.capturing((cu_seqlens,)):  # the read below would fail inside CUDA with no reason
+        raise RuntimeError(
+            f"{name}: this attention backend reads the offsets on the host (sdpa, reference and "
+            "xformers do), which a CUDA graph being captured cannot do; capture with a backend "
+            "that keeps them on the device (hf_varlen.set_backend('triton', model=model))"
+        )
+
     def build() -> list[int]:
-        # Host read, intended: only the host-offset backends (sdpa, reference, xformers) call
+        # Host read, intended (never while capturing, above): only the host-offset backends (sdpa, reference, xformers) call
         # this, once per batch; under torch.compile they run inside the opaque op
         # (backends/opaque.py), so the read happens at run time, outside the traced graph.
         host = cu_seqlens.tolist()
