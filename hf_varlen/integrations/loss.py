@@ -223,9 +223,8 @@ def _labels_from(position: int | None, args, kwargs):
 
 def _forward(model, *args, fused_loss: bool | None = None, **kwargs):
     state: _State = model.__dict__[_STATE_ATTR]
-    inner = (
-        state.previous_forward
-    )  # `is None`, not truthiness: dynamo 2.11 cannot branch on a method
+    # `is None`, not truthiness: dynamo 2.11 cannot branch on a bound method
+    inner = state.previous_forward
     if inner is None:
         inner = functools.partial(type(model).forward, model)
     labels = _labels_from(state.labels_position, args, kwargs)

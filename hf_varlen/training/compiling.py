@@ -45,10 +45,11 @@ DEFAULT_BACKEND = "inductor"
 DEFAULT_MODE = "default"
 
 
-def _inductor_modes() -> list[str]:
+def _mode_options(mode: str | None = None):
+    """Inductor's config patches of a torch.compile mode; without one, all modes by name."""
     from torch._inductor import list_mode_options
 
-    return list(list_mode_options())
+    return list_mode_options(mode) if mode else list_mode_options()
 
 
 class CompileError(RuntimeError):
@@ -68,7 +69,7 @@ def check_compile(cfg: TrainConfig) -> None:
                 )
         return
     if cfg.compile_mode != DEFAULT_MODE:
-        modes = _inductor_modes()
+        modes = list(_mode_options())
         if cfg.compile_mode not in modes:
             raise ValueError(f"--compile-mode {cfg.compile_mode!r}: expected one of {modes}")
         if cfg.compile_backend != "inductor":
@@ -105,9 +106,7 @@ class ModelCompiler:
         self.mode = cfg.compile_mode
         self.mode_options: dict[str, Any] = {}  # Inductor config patches of --compile-mode
         if self.enabled and self.mode != DEFAULT_MODE:
-            from torch._inductor import list_mode_options
-
-            self.mode_options = dict(list_mode_options(self.mode))
+            self.mode_options = dict(_mode_options(self.mode))
         self.cudagraphs = bool(self.mode_options.get("triton.cudagraphs"))
         self.compilations = 0
         self.backend_seconds = 0.0  # inside the backend (code generation), not dynamo's tracing
