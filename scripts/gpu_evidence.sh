@@ -4,6 +4,7 @@
 # (`bash ../shared/tools/gpu_wheels.sh` makes it); results and logs go to OUT_DIR.
 #
 #   bash scripts/gpu_evidence.sh tests     OUT_DIR   # pytest -m gpu, file by file
+#   bash scripts/gpu_evidence.sh suite     OUT_DIR   # the same in one pytest-xdist run (faster)
 #   bash scripts/gpu_evidence.sh kernels   OUT_DIR   # bench_rope / glu / rmsnorm / loss
 #   bash scripts/gpu_evidence.sh attention OUT_DIR   # bench_attention, all cases and head configs
 #   bash scripts/gpu_evidence.sh e2e       OUT_DIR   # bench_e2e: 1B table + step profiles
@@ -17,6 +18,11 @@
 #
 # `tests` takes optional test files after OUT_DIR (default: every file that holds a GPU test), and
 # also runs the TRL / mixed-precision files, whose trainers use the GPU when there is one.
+#
+# `suite` runs every GPU test in one pytest session spread over HF_VARLEN_GPU_WORKERS processes
+# (default 8; the Inductor tests are CPU-bound compiles) next to the TRL / mixed-precision files;
+# it needs pytest-xdist and pytest-timeout among the carried wheels
+# (`pip download --no-deps pytest-xdist execnet pytest-timeout -d .gpu-wheels/base`).
 #
 # `baseline` compares our triton kernel (torch's varlen attention in the same run as the drift
 # anchor) against an older tree unpacked in .baseline/ (carry it):
@@ -65,6 +71,17 @@ tests)
         esac
         step "pytest_$(basename "$f" .py)" 240 python3 -m pytest -q "${marker[@]}" "$f"
     done
+    ;;
+suite)
+    workers=${HF_VARLEN_GPU_WORKERS:-8}
+    gpu_files=$(grep -l "mark.gpu" tests/test_*.py)
+    trainer_files="tests/test_trl.py tests/test_trl_fused_loss.py tests/test_mixed_precision.py"
+    opts=(--timeout 300 --durations 25)  # pytest-xdist and pytest-timeout load by entry point
+    step suite_gpu 420 python3 -m pytest -q -m gpu -n "$workers" "${opts[@]}" \
+        --junitxml "$out/suite_gpu.xml" $gpu_files &
+    step suite_trainers 420 python3 -m pytest -q -n 4 "${opts[@]}" \
+        --junitxml "$out/suite_trainers.xml" $trainer_files &
+    wait
     ;;
 kernels)
     step bench_rope 150 python3 scripts/bench_rope.py --json "$out/rope.json"
