@@ -5,6 +5,7 @@
 #
 #   bash scripts/gpu_evidence.sh tests     OUT_DIR   # pytest -m gpu, file by file
 #   bash scripts/gpu_evidence.sh suite     OUT_DIR   # the same in one pytest-xdist run (faster)
+#   bash scripts/gpu_evidence.sh pytest    OUT_DIR ARGS...  # one pytest run with these arguments
 #   bash scripts/gpu_evidence.sh kernels   OUT_DIR   # bench_rope / glu / rmsnorm / loss
 #   bash scripts/gpu_evidence.sh attention OUT_DIR   # bench_attention, all cases and head configs
 #   bash scripts/gpu_evidence.sh e2e       OUT_DIR   # bench_e2e: 1B table + step profiles
@@ -82,6 +83,10 @@ suite)
     step suite_trainers 420 python3 -m pytest -q -n 4 "${opts[@]}" \
         --junitxml "$out/suite_trainers.xml" $trainer_files &
     wait
+    ;;
+pytest)
+    shift 2
+    step "pytest_${HF_VARLEN_STEP_NAME:-args}" "${HF_VARLEN_STEP_TIMEOUT:-540}" python3 -m pytest "$@"
     ;;
 kernels)
     step bench_rope 150 python3 scripts/bench_rope.py --json "$out/rope.json"

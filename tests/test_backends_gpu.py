@@ -58,6 +58,23 @@ def test_gpu_sliding_window_and_softcap(backend):
         )
 
 
+def test_gpu_flex_windows_change_between_calls():
+    """The compiled flex call turns what changes between calls dynamic (automatic dynamic): the
+    window must reach the mask as tensors, since Inductor cannot lower a symbolic int captured by a
+    mask_mod (torch 2.11: LoweringException on the second window). Sizes and windows change here in
+    one process, as they do between a Mistral's and a Gemma2's layers or runs."""
+    _need("flex")
+    for lengths, window in (
+        ([300, 17, 513], (-1, -1)),
+        ([700, 64, 300], (127, -1)),
+        ([200, 90], (31, -1)),
+        ([513, 17], (7, -1)),
+    ):
+        check_backend_against_reference(
+            "flex", lengths, 8, 2, 128, torch.bfloat16, "cuda", window=window
+        )
+
+
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
 def test_gpu_ten_thousand_tiny_documents(backend):
     _need(backend)

@@ -51,10 +51,12 @@ def setup(shared_data):
     return ex, tokenizer, data.select(order[:N_EXAMPLES])
 
 
-def _one_step(setup, mode, tmp_path, monkeypatch, max_steps=1, attn=None, **config):
+def _one_step(setup, mode, tmp_path, monkeypatch, max_steps=1, attn=None, probe=None, **config):
     """(first-step loss, first-step grad norm, attention calls seen, losses of every step).
 
-    ``attn`` overrides the example's choice of attention implementation for ``mode``."""
+    ``attn`` overrides the example's choice of attention implementation for ``mode``; ``probe``
+    (a dict) receives the first step's per-token NLL of every document and its gradients
+    (``_probe_step``)."""
     ex, tokenizer, data = setup
     seen: list[dict] = []
     inner = ALL_ATTENTION_FUNCTIONS[hf_varlen.ATTN_IMPLEMENTATION]
@@ -88,10 +90,69 @@ def _one_step(setup, mode, tmp_path, monkeypatch, max_steps=1, attn=None, **conf
         seed=0,
         **config,
     )
+    if probe is not None:
+        _probe_step(model, trainer, probe)
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
     losses = [float(h["loss"]) for h in logs]
     return losses[0], float(logs[0]["grad_norm"]), seen, losses
+
+
+def _documents(kwargs):
+    """(row, start, end) of every document in a batch: one per padded row (its attention_mask)
+    or one per position_ids reset in a packed row."""
+    if kwargs.get("attention_mask") is not None and kwargs.get("position_ids") is None:
+        spans = []
+        for b, row in enumerate(kwargs["attention_mask"]):
+            real = row.nonzero().reshape(-1)  # the row's real (unpadded) tokens
+            spans.append((b, int(real[0]), int(real[-1]) + 1))
+        return spans
+    spans = []
+    for b, pos in enumerate(kwargs["position_ids"]):
+        starts = (pos == 0).nonzero().reshape(-1).tolist()
+        spans += [(b, s, e) for s, e in zip(starts, [*starts[1:], pos.numel()])]
+    return spans
+
+
+def _probe_step(model, trainer, probe):
+    """Record the first training step's per-token NLL (the log-probabilities TRL's fused LM head
+    returned from the trainer's own forward) keyed by each document's token ids, and its gradients
+    before the optimizer step, so runs that batch the same examples differently (padded rows, one
+    packed row, bfd bins) compare token by token and element by element."""
+    from transformers import TrainerCallback
+
+    def grab(module, args, kwargs, output):
+        if "nll" in probe or getattr(output, "log_probs", None) is None:
+            return
+        log_probs = output.log_probs.detach().double()  # (B, L - 1): of labels[:, 1:]
+        nll = {}
+        for b, s, e in _documents(kwargs):
+            keep = kwargs["labels"][b, s + 1 : e] != -100
+            nll[tuple(kwargs["input_ids"][b, s:e].tolist())] = -log_probs[b, s : e - 1][keep]
+        probe["nll"] = nll
+
+    class Grads(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, **kw):
+            if "grads" not in probe:
+                probe["grads"] = {
+                    n: p.grad.detach().double().clone()
+                    for n, p in model.named_parameters()
+                    if p.grad is not None
+                }
+
+    model.register_forward_hook(grab, with_kwargs=True)
+    trainer.add_callback(Grads())
+    probe["max_grad_norm"] = trainer.args.max_grad_norm
+
+
+def _unclipped(probe, norm):
+    """The probe's gradients before clip_grad_norm_ scaled them (coefficient max_norm / norm)."""
+    coef = min(1.0, probe["max_grad_norm"] / (norm + 1e-6)) if probe["max_grad_norm"] else 1.0
+    return {n: g / coef for n, g in probe["grads"].items()}
+
+
+def _token_nll(probe, keys):
+    return torch.cat([probe["nll"][k] for k in keys])
 
 
 @pytest.mark.slow
@@ -121,23 +182,36 @@ def test_trl_defaults_bf16_gradient_checkpointing(setup, tmp_path, monkeypatch):
     function gets fp32 q/k with a bf16 v, runs in bf16, and the loss and gradient norm follow the
     numerics rule against the fp32 padded run (ref_hi) and the bf16 padded sdpa run (ref_lo)."""
     defaults = dict(bf16=True, gradient_checkpointing=True)  # SFTConfig's own defaults
-    hi_loss, hi_norm, _, _ = _one_step(setup, "padded", tmp_path, monkeypatch, bf16=False)
-    lo_loss, lo_norm, _, _ = _one_step(setup, "padded", tmp_path, monkeypatch, **defaults)
+    hi, lo = {}, {}
+    hi_loss, hi_norm, _, _ = _one_step(setup, "padded", tmp_path, monkeypatch, bf16=False, probe=hi)
+    lo_loss, lo_norm, _, _ = _one_step(setup, "padded", tmp_path, monkeypatch, probe=lo, **defaults)
     assert lo_loss != hi_loss  # bf16 autocast really ran
+    hi_grads, lo_grads = _unclipped(hi, hi_norm), _unclipped(lo, lo_norm)
+    keys = sorted(hi["nll"])
+    assert len(keys) == N_EXAMPLES and all(hi["nll"][k].numel() for k in keys)
     for mode in ("padding_free", "bfd"):
+        x = {}
         loss, norm, seen, losses = _one_step(
-            setup, mode, tmp_path, monkeypatch, max_steps=2, **defaults
+            setup, mode, tmp_path, monkeypatch, max_steps=2, probe=x, **defaults
         )
         assert seen, f"{mode}: varlen_packed was never called"
         mixed = {c["dtypes"] for c in seen}
         assert (torch.float32, torch.float32, torch.bfloat16) in mixed, f"{mode}: {mixed}"
         assert {c["out"] for c in seen} == {torch.bfloat16}, f"{mode}: output dtypes"
         assert all(torch.isfinite(torch.tensor(losses))), f"{mode}: losses {losses}"
-        t = torch.tensor
-        assert_numerics(f"{mode} bf16 loss", t(loss), t(hi_loss, dtype=torch.float64), t(lo_loss))
+        # The step's loss is one scalar, a single sample of each run's error (where the rule's max
+        # runs over many elements): the rule runs over its per-token NLL and its gradients instead.
+        assert sorted(x["nll"]) == keys, f"{mode}: other documents than the padded batch's"
         assert_numerics(
-            f"{mode} bf16 grad norm", t(norm), t(hi_norm, dtype=torch.float64), t(lo_norm), factor=3
+            f"{mode} bf16 per-token loss",
+            _token_nll(x, keys),
+            _token_nll(hi, keys),
+            _token_nll(lo, keys),
         )
+        x_grads = _unclipped(x, norm)
+        assert set(x_grads) == set(hi_grads)
+        for name, g in x_grads.items():
+            assert_numerics(f"{mode} bf16 grad {name}", g, hi_grads[name], lo_grads[name], factor=3)
 
 
 @pytest.mark.slow

@@ -51,15 +51,21 @@ def document_block_mask(cu_q, cu_k, total_q, total_k, *, causal, window_size):
         doc_q, pos_q, len_q = _doc_index(cu_q, total_q)
         doc_k, pos_k, len_k = _doc_index(cu_k, total_k)
         shift = (len_k - len_q).to(torch.int32)  # bottom-right alignment when L_k != L_q
+        # The window reaches the mask as device tensors, not ints: under the compiled flex call an
+        # int captured by mask_mod turns symbolic once a second window value is seen (automatic
+        # dynamic), and Inductor cannot lower a symbolic int inside a mask (torch 2.11 / 2.13).
+        bounded_right, bounded_left = right >= 0, left >= 0
+        hi = torch.full((), max(right, 0), dtype=torch.int32, device=cu_q.device)
+        lo = torch.full((), -max(left, 0), dtype=torch.int32, device=cu_q.device)
 
         def mask_mod(b, h, qi, ki):
             same = doc_q[qi] == doc_k[ki]
             rel = pos_k[ki] - (pos_q[qi] + shift[doc_q[qi]])  # key position relative to diagonal
             ok = same
-            if right >= 0:
-                ok = ok & (rel <= right)
-            if left >= 0:
-                ok = ok & (rel >= -left)
+            if bounded_right:
+                ok = ok & (rel <= hi)
+            if bounded_left:
+                ok = ok & (rel >= lo)
             return ok
 
         return create_block_mask(

@@ -292,7 +292,7 @@ def backward_dq(
     """Launch the dQ kernel; writes dq and delta (H_q, T_q) in place."""
     scale_a, scale_b = score_constants(softmax_scale, softcap)
     n_head_blocks = q.shape[1] // fold
-    launcher(_attn_bwd_dq_kernel, traceable)[(order.numel() * n_head_blocks,)](
+    launcher(_attn_bwd_dq_kernel, traceable)[((order.numel() - 1) * n_head_blocks,)](
         q, k, v, o, do, lse, delta, dq, lo_q, hi_q, order,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         o.stride(0), o.stride(1), do.stride(0), do.stride(1), dq.stride(0), dq.stride(1),
@@ -309,7 +309,7 @@ def backward_dkdv(
     """Launch the dK/dV kernel (needs delta from backward_dq); writes dk, dv in place."""
     scale_a, scale_b = score_constants(softmax_scale, softcap)
     h_kv = k.shape[1]
-    launcher(_attn_bwd_dkdv_kernel, traceable)[(order.numel() * h_kv,)](
+    launcher(_attn_bwd_dkdv_kernel, traceable)[((order.numel() - 1) * h_kv,)](
         q, k, v, do, lse, delta, dk, dv, qlo_k, qhi_k, order,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),

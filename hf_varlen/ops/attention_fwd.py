@@ -13,7 +13,8 @@ Key blocks that every row of the tile sees entirely skip the mask. Rows that see
 and lse = +inf (so the backward's exp(s - lse) is 0 there).
 
 Shapes: q (T_q, H_q, D), k/v (T_k, H_kv, D), o (T_q, H_q, D), lse (H_q, T_q) fp32,
-lo/hi (T_q,) int32, order (n_tiles,) int32; the grid is n_tiles * (H_q / FOLD) programs.
+lo/hi (T_q,) int32, order (n_tiles + 1,) int32 (heaviest first, then one never-launched entry);
+the grid is n_tiles * (H_q / FOLD) programs.
 """
 
 from __future__ import annotations
@@ -237,7 +238,7 @@ def attention_forward(
         return o, lse
     scale_a, scale_b = score_constants(softmax_scale, softcap)
     n_head_blocks = h_q // fold
-    grid = (order.numel() * n_head_blocks,)
+    grid = ((order.numel() - 1) * n_head_blocks,)  # the last entry is never launched
     launcher(_attn_fwd_kernel, traceable)[grid](
         q, k, v, o, lse, lo_q, hi_q, order,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),

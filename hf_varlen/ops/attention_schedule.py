@@ -29,7 +29,8 @@ only branch is on the number of documents, a shape): under torch.compile nothing
 compiler sees the torch ops.
 
 Shapes: cu_seqlens_* (n_docs + 1,) int32; lo_q/hi_q (T_q,) int32; qlo_k/qhi_k (T_k,) int32;
-order_q(tile) (ceil(T_q / tile),) int32; order_k(tile) (ceil(T_k / tile),) int32.
+order_q(tile) (ceil(T_q / tile) + 1,) int32; order_k(tile) (ceil(T_k / tile) + 1,) int32
+(the last entry is an empty tile that is never launched; see ``heaviest_first``).
 Rows outside every document (past cu[-1]) get the empty interval (EMPTY_LO, -1).
 """
 
@@ -183,13 +184,25 @@ def row_bounds(
 
 
 def heaviest_first(lo: torch.Tensor, hi: torch.Tensor, tile: int) -> torch.Tensor:
-    """Tile indices (tiles of ``tile`` consecutive rows) sorted by span, largest first, int32."""
+    """Tile indices (tiles of ``tile`` consecutive rows) sorted by span, largest first, int32,
+    followed by one extra entry: (n_tiles + 1,), where the last entry is n_tiles, an empty tile
+    that is never launched (grids count ``order.numel() - 1`` tiles).
+
+    Why the extra entry: under torch.compile n_tiles is symbolic, and any op over an n_tiles-sized
+    dimension (a (n_tiles, tile) view, a slice, an elementwise op) specialises n_tiles == 1 against
+    n_tiles >= 2 — a recompile whenever a pack crosses one tile, once per tile size of the three
+    kernels. n_tiles + 1 >= 2 is known from T >= 2, so it adds no guard."""
     n = lo.numel()
     n_tiles = -(-n // tile)
-    pad = n_tiles * tile - n
-    lo64 = torch.nn.functional.pad(lo.to(torch.int64), (0, pad), value=EMPTY_LO)
-    hi64 = torch.nn.functional.pad(hi.to(torch.int64), (0, pad), value=-1)
-    span = (hi64.view(n_tiles, tile).amax(1) - lo64.view(n_tiles, tile).amin(1) + 1).clamp_min(0)
+    tile_of = torch.arange(n, device=lo.device) // tile
+    # int32 throughout: bounds lie in [0, T) or are the empty pair (EMPTY_LO, -1), so even an
+    # empty tile's span, -1 - EMPTY_LO + 1 = -(2**31 - 1), fits.
+    lo_t = torch.full((n_tiles + 1,), EMPTY_LO, dtype=torch.int32, device=lo.device)
+    hi_t = torch.full((n_tiles + 1,), -1, dtype=torch.int32, device=lo.device)
+    lo_t = lo_t.scatter_reduce(0, tile_of, lo.to(torch.int32), "amin")
+    hi_t = hi_t.scatter_reduce(0, tile_of, hi.to(torch.int32), "amax")
+    span = (hi_t - lo_t + 1).clamp_min(0)
+    # Stable: ties keep index order, so the empty extra tile (span 0, the highest index) is last.
     return torch.argsort(span, descending=True, stable=True).to(torch.int32)
 
 
