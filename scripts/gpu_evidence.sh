@@ -116,13 +116,18 @@ trl)
     step bench_trl 560 python3 scripts/bench_trl.py --tokenizer "$data/qwen2" \
         --dataset "$data/alpaca_5000.json" --out "$out/trl" --steps 15 --warmup 5 --timeout 120
     ;;
-baseline)
-    for tree in .baseline .; do
-        tag=$([ "$tree" = . ] && echo new || echo old)
-        step "attn_$tag" 200 env PYTHONPATH="$PWD/$tree:$PYTHONPATH" python3 "$tree/scripts/bench_attention.py" \
-            --providers triton,torch --no-check --json "$out/attn_$tag.json"
-        step "rope_$tag" 100 env PYTHONPATH="$PWD/$tree:$PYTHONPATH" python3 "$tree/scripts/bench_rope.py" \
-            --json "$out/rope_$tag.json"
+baseline)  # HF_VARLEN_BASELINE="attn" runs only the attention comparison (default: attn rope)
+    for bench in ${HF_VARLEN_BASELINE:-attn rope}; do
+        for tree in .baseline .; do
+            tag=$([ "$tree" = . ] && echo new || echo old)
+            env=(env PYTHONPATH="$PWD/$tree:$PYTHONPATH")
+            case "$bench" in
+            attn) step "attn_$tag" 200 "${env[@]}" python3 "$tree/scripts/bench_attention.py" \
+                --providers triton,torch --no-check --json "$out/attn_$tag.json" ;;
+            rope) step "rope_$tag" 100 "${env[@]}" python3 "$tree/scripts/bench_rope.py" \
+                --json "$out/rope_$tag.json" ;;
+            esac
+        done
     done
     ;;
 compile)
