@@ -84,6 +84,14 @@ MODES: dict[str, dict] = {
     "hf_varlen-compile": dict(
         attn_backend="auto", fused_kernels="on", fused_loss="on", compile=True
     ),
+    # Compiled with one of our pieces switched off, where Inductor generates its own code instead
+    # (its fusions of RoPE / RMSNorm / SwiGLU; its cross-entropy over materialised logits).
+    "hf_varlen-compile-kernels": dict(
+        attn_backend="auto", fused_kernels="off", fused_loss="on", compile=True
+    ),
+    "hf_varlen-compile-loss": dict(
+        attn_backend="auto", fused_kernels="on", fused_loss="off", compile=True
+    ),
     "minimal_varlen-compile": dict(
         attn_implementation=MINIMAL_ATTN, fused_kernels="off", fused_loss="off", plain_compile=True
     ),

@@ -12,8 +12,9 @@
 #   bash scripts/gpu_evidence.sh train     OUT_DIR   # hf-varlen train: packed vs padded vs accelerate
 #   bash scripts/gpu_evidence.sh trl       OUT_DIR   # bench_trl: TRL SFTTrainer, bf16, 1B shape
 #   bash scripts/gpu_evidence.sh baseline  OUT_DIR   # attention/rope timings, .baseline/ vs this tree
-#   bash scripts/gpu_evidence.sh compile   OUT_DIR   # bench_e2e: compiled vs eager, batch 32/8/128
-#                                                     (a 1B-shape compile cell takes 100-200 s on the H200)
+#   bash scripts/gpu_evidence.sh compile   OUT_DIR   # bench_e2e: compiled vs eager at one batch size
+#                                  (HF_VARLEN_BATCH_SIZES, default 32; HF_VARLEN_COMPILE_MODES; a
+#                                   1B-shape compile cell takes 170-215 s on the H200)
 #   bash scripts/gpu_evidence.sh graphs    OUT_DIR   # bench_e2e: --compile-mode reduce-overhead, B32/8
 #   bash scripts/gpu_evidence.sh coverage  OUT_DIR   # bench_coverage_check: the eager offsets check
 #
@@ -36,11 +37,14 @@ set -uo pipefail
 stage=${1:?stage: tests|kernels|attention|e2e|train|trl|baseline}
 out=${2:?OUT_DIR}
 mkdir -p "$out"
-if ! python3 -c "import kernels, trl" 2>/dev/null && [ -d .gpu-wheels/base ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .gpu-wheels/base/*.whl
-fi
 export PYTHONPATH="/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+(  # under a lock: stages started side by side must not install into /tmp/site at the same time
+    flock 9
+    if ! python3 -c "import kernels, trl, xdist" 2>/dev/null && [ -d .gpu-wheels/base ]; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target /tmp/site .gpu-wheels/base/*.whl
+    fi
+) 9>/tmp/hf_varlen_site.lock
 export PYTHONUNBUFFERED=1
 data=runs/shared
 if [ -d "$data" ] && [ -z "${HF_VARLEN_SHARED_DATA:-}" ]; then  # the tests' ../shared/data layout
@@ -130,11 +134,12 @@ baseline)  # HF_VARLEN_BASELINE="attn" runs only the attention comparison (defau
         done
     done
     ;;
-compile)
+compile)  # one batch size per call: the four B32 cells took 434 s (two 1B-shape compiles)
+    modes=${HF_VARLEN_COMPILE_MODES:-minimal_varlen,minimal_varlen-compile,hf_varlen,hf_varlen-compile}
     step bench_e2e_compile 560 python3 scripts/bench_e2e.py --out "$out/compile" \
         --plots-dir "$out/compile" --tokenizer "$data/qwen2" --alpaca "$data/alpaca_5000.json" \
-        --lima "$data/lima.json" --modes minimal_varlen,minimal_varlen-compile,hf_varlen,hf_varlen-compile \
-        --batch-sizes 32,8,128 --steps 15 --warmup 5 --timeout 240  # B32 first: the headline
+        --lima "$data/lima.json" --modes "$modes" --batch-sizes "${HF_VARLEN_BATCH_SIZES:-32}" \
+        --steps 15 --warmup 5 --timeout 240
     ;;
 graphs)
     step bench_e2e_graphs 560 python3 scripts/bench_e2e.py --out "$out/graphs" \
