@@ -24,7 +24,7 @@ from torch._dynamo.utils import counters
 import hf_varlen  # noqa: F401  (registers varlen_packed with transformers)
 from hf_varlen.testing import assert_numerics
 from hf_varlen.training import PackedTrainer, TrainConfig
-from hf_varlen.training.compiling import CompileError
+from hf_varlen.training.compiling import CompileError, token_count_patches
 from hf_varlen.training.config import parse_args
 
 
@@ -107,12 +107,11 @@ def test_train_compile_mode_flags_and_refusals(tmp_path):
         )
 
 
-def test_train_compile_mode_reaches_inductor(tmp_path, monkeypatch):
-    """--compile-mode hands Inductor the mode's config patches, as torch.compile(mode=...) does
-    (on CPU Inductor skips CUDA graphs itself), and every micro-step is a new cudagraph step."""
+def _spy_compile_fx(monkeypatch) -> list[dict]:
+    """The config patches of every compile_fx call (ours, and compile_fx's calls to itself)."""
     import torch._inductor.compile_fx as compile_fx_module
 
-    seen, steps = [], []
+    seen = []
     real = compile_fx_module.compile_fx
 
     def spy(gm, example_inputs, config_patches=None, **kw):
@@ -120,16 +119,36 @@ def test_train_compile_mode_reaches_inductor(tmp_path, monkeypatch):
         return real(gm, example_inputs, config_patches=config_patches, **kw)
 
     monkeypatch.setattr(compile_fx_module, "compile_fx", spy)
+    return seen
+
+
+def test_train_compile_mode_reaches_inductor(tmp_path, monkeypatch):
+    """--compile-mode hands Inductor the mode's config patches, as torch.compile(mode=...) does
+    (on CPU Inductor skips CUDA graphs itself), and every micro-step is a new cudagraph step."""
+    seen, steps = _spy_compile_fx(monkeypatch), []
     monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: steps.append(1))
     _fresh()
     cfg = _tiny(tmp_path, "ro", compile=True, compile_mode="reduce-overhead", max_steps=3)
     _, summary, _ = _losses(cfg)
     # our backend's calls carry the patches (compile_fx calls itself again inside, without them)
     ours = [p for p in seen if p]
-    assert ours == [{"triton.cudagraphs": True}] * summary["compile"]["compilations"], seen
+    want = {"triton.cudagraphs": True, **token_count_patches()}
+    assert ours == [want] * summary["compile"]["compilations"], seen
     assert len(steps) >= 3  # one per micro-step (and per eval call)
     assert summary["compile"]["mode"] == "reduce-overhead"
     assert "mode reduce-overhead" in summary["compile"]["text"]
+
+
+def test_train_compile_keeps_inductor_off_the_token_count(tmp_path, monkeypatch):
+    """The default mode too hands Inductor the patches that stop its own size heuristics from
+    guarding on a pack's token count (a recompile whenever packs straddle one of their sizes)."""
+    patches = token_count_patches()
+    if not patches:
+        pytest.skip(f"torch {torch.__version__}'s Inductor has no such heuristic to turn off")
+    seen = _spy_compile_fx(monkeypatch)
+    _fresh()
+    _, summary, _ = _losses(_tiny(tmp_path, "tc", compile=True, max_steps=2))
+    assert [p for p in seen if p] == [patches] * summary["compile"]["compilations"], seen
 
 
 def test_train_compile_failure_raises_with_the_reason(tmp_path):

@@ -24,6 +24,13 @@ What ``--compile`` does:
 ``aot_eager`` traces forward and backward without generating code (CPU tests, telling Inductor
 failures apart from tracing ones).
 
+Inductor is also told not to specialise on the token count where one of its own heuristics would
+(``token_count_patches``): its mix-order-reduction fusion compares the row count of a reduction
+(the tokens) with fixed sizes (2 x the columns, 4096 rows, 5M elements) and guards on the answer, so
+packs on both sides of such a size compile twice more (seen on the H200: a third compilation at
+64 tokens for a tiny model, whose K/V projections have 32 columns). Its non-strict mode skips those
+checks, "helpful to avoid recompilations" in Inductor's own words.
+
 ``--compile-mode`` (Inductor only, default ``default``): the ``torch.compile(mode=...)`` presets
 (``torch._inductor.list_mode_options()``), handed to Inductor as its config patches, as
 ``torch.compile`` itself does. ``reduce-overhead`` turns on CUDA graphs (cudagraph trees; one graph
@@ -50,6 +57,16 @@ def _mode_options(mode: str | None = None):
     from torch._inductor import list_mode_options
 
     return list_mode_options(mode) if mode else list_mode_options()
+
+
+def token_count_patches() -> dict[str, Any]:
+    """Inductor config patches that keep it from guarding on the token count of a pack (see the
+    module doc); empty where this torch's Inductor has no such heuristic."""
+    from torch._inductor import config
+
+    if hasattr(config.triton, "mix_order_reduction_non_strict_mode"):
+        return {"triton.mix_order_reduction_non_strict_mode": True}
+    return {}
 
 
 class CompileError(RuntimeError):
@@ -108,6 +125,9 @@ class ModelCompiler:
         if self.enabled and self.mode != DEFAULT_MODE:
             self.mode_options = dict(_mode_options(self.mode))
         self.cudagraphs = bool(self.mode_options.get("triton.cudagraphs"))
+        self.inductor_patches: dict[str, Any] = {}  # what compile_fx gets (Inductor only)
+        if self.enabled and self.backend == "inductor":
+            self.inductor_patches = {**self.mode_options, **token_count_patches()}
         self.compilations = 0
         self.backend_seconds = 0.0  # inside the backend (code generation), not dynamo's tracing
 
@@ -116,10 +136,10 @@ class ModelCompiler:
         self.compilations += 1
         t0 = time.perf_counter()
         try:
-            if self.mode_options:  # what torch.compile(mode=...) hands Inductor
+            if self.inductor_patches:  # --compile-mode's presets, as torch.compile(mode=...)
                 from torch._inductor.compile_fx import compile_fx
 
-                return compile_fx(gm, example_inputs, config_patches=self.mode_options)
+                return compile_fx(gm, example_inputs, config_patches=self.inductor_patches)
             return torch._dynamo.lookup_backend(self.backend)(gm, example_inputs)
         finally:
             self.backend_seconds += time.perf_counter() - t0
