@@ -343,21 +343,10 @@ def test_traced_triton_path_does_not_recompile_per_pack(kind, style):
     TRITON_INTERPRET): over 20 varying packs at most 2 compilations, the second only for the
     collator's max_length ints. (The interpreted ops the other CPU tests compile are opaque, so a
     guard inside the op bodies — e.g. on the tile count — would only show on a GPU.)"""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
     pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    script = Path(__file__).with_name("traced_triton_compile.py")
-    run = subprocess.run(
-        [sys.executable, str(script), kind, style, "20"],
-        env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stderr[-3000:]
-    got = json.loads(run.stdout.strip().splitlines()[-1])
+    from traced_triton_compile import run
+
+    (got,) = run(kind, style, "20")
     assert got["graph_breaks"] == {}, got
     assert got["compiles"] <= 2, got
     assert all("max_length" in r for r in got["recompile_reasons"]), got

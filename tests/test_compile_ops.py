@@ -302,6 +302,22 @@ def _check_compiled_kernelized(family, device, dtype, backend):
 
 
 @triton_runs
+def test_traced_row_ops_compile_once_over_token_counts():
+    """RoPE, SwiGLU, RMSNorm and the fused CE as a GPU registers them (traced bodies; launches
+    stubbed: tests/traced_triton_compile.py), compiled with the token dimension marked dynamic over
+    token counts that cross their block sizes: one compilation each, no guard on T (RoPE's int32
+    range check once compared two tensors' extents, a guard whose answer flips with T)."""
+    pytest.importorskip("triton")
+    from traced_triton_compile import run
+
+    rows = run("ops")
+    assert {r["op"] for r in rows} == {
+        "rms_norm", "swiglu", "apply_rotary_qk", "fused_linear_cross_entropy"
+    }  # fmt: skip
+    for row in rows:
+        assert row["compiles"] == 1, row
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
 def test_kernelized_model_with_fused_loss_compiles_fullgraph_cpu(family):
     if DEVICE != "cpu":

@@ -10,6 +10,9 @@ a compiled model over varying packs with aot_eager. It prints one JSON line:
 {"compiles": n, "graph_breaks": {...}, "recompile_reasons": [...]}.
 
     python tests/traced_triton_compile.py KIND STYLE STEPS    (run by test_compile_attention.py)
+    python tests/traced_triton_compile.py ops                 the row ops on their own: one JSON
+        line per op, {"op": name, "compiles": n, "recompile_reasons": [...]}, over token counts
+        that cross the kernels' block sizes (marked dynamic from the first call: 1 compilation)
 """
 
 from __future__ import annotations
@@ -22,10 +25,18 @@ import zlib
 
 import torch
 
-if os.environ.get("TRITON_INTERPRET") == "1":
-    raise SystemExit(
-        "run without TRITON_INTERPRET: the point is the GPU's (traced) op registration"
+
+def run(*argv: str) -> list[dict]:
+    """Run this script in a subprocess without TRITON_INTERPRET; its JSON lines (for the tests)."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, __file__, *argv], env=env, capture_output=True, text=True, timeout=600
     )
+    if done.returncode != 0:
+        raise AssertionError(f"traced_triton_compile.py {' '.join(argv)}: {done.stderr[-3000:]}")
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
 
 
 class _NoLaunch:
@@ -75,5 +86,105 @@ def main(kind: str, style: str, steps: int) -> dict:
     }
 
 
+def _stub_row_ops():
+    """The row ops' device checks accept CPU tensors here (their launches are stubbed)."""
+    import hf_varlen.ops.cross_entropy as ce
+    import hf_varlen.ops.glu as glu
+    import hf_varlen.ops.rmsnorm as rmsnorm
+    import hf_varlen.ops.rope as rope
+
+    for module in (glu, rmsnorm, rope, ce):
+        if hasattr(module, "_INTERPRET"):
+            module._INTERPRET = True
+
+
+def ops() -> list[dict]:
+    """Each row op compiled (aot_eager, fullgraph) over token counts crossing its block sizes."""
+    import triton
+
+    torch.library.wrap_triton = lambda kernel: _NoLaunch()
+    # the fused CE is an opaque op: only its Python wrapper is traced, its kernels launch directly
+    triton.runtime.jit.JITFunction.run = lambda self, *args, **kwargs: None
+    from torch._dynamo.utils import clear_compilation_metrics, get_compilation_metrics
+
+    import hf_varlen.ops as o
+
+    _stub_row_ops()
+    hidden, vocab, heads, kv_heads, dim = 64, 97, 4, 2, 16
+    cos, sin = torch.randn(512, dim), torch.randn(512, dim)
+
+    def rope_pos(t):  # (B, H, T, D) as HF hands it; 3 documents' positions
+        pos = torch.cat([torch.arange(n) for n in (t // 3, t // 3, t - 2 * (t // 3))])[None]
+        q, k = torch.randn(1, heads, t, dim), torch.randn(1, kv_heads, t, dim)
+        return (q.requires_grad_(), k.requires_grad_(), cos, sin, pos), {2: (0, 1), 1: (4,)}
+
+    cases = {  # name: (fn, make(T) -> (args, {token dim: arg indices}))
+        "rms_norm": (
+            lambda x, w: o.rms_norm(x, w, 1e-6),
+            lambda t: (
+                (
+                    torch.randn(t, hidden, requires_grad=True),
+                    torch.ones(hidden, requires_grad=True),
+                ),
+                {0: (0,)},
+            ),
+        ),
+        "swiglu": (
+            o.swiglu,
+            lambda t: (
+                tuple(torch.randn(t, 96, requires_grad=True) for _ in range(2)),
+                {0: (0, 1)},
+            ),
+        ),
+        "apply_rotary_qk": (
+            lambda q, k, c, s, pos: o.apply_rotary_qk(q, k, c, s, position_ids=pos, inplace=False),
+            rope_pos,
+        ),
+        "fused_linear_cross_entropy": (
+            lambda h, w, y: o.fused_linear_cross_entropy(h, w, y, reduction="mean"),
+            lambda t: (
+                (
+                    torch.randn(t, hidden, requires_grad=True),
+                    torch.randn(vocab, hidden, requires_grad=True),
+                    torch.randint(0, vocab, (t,)),
+                ),
+                {0: (0, 2)},
+            ),
+        ),
+    }
+    rows = []
+    for name, (fn, make) in cases.items():
+        torch._dynamo.reset()
+        clear_compilation_metrics()
+        sys.path.insert(0, os.path.dirname(__file__))
+        from test_compile_attention import _CountingBackend
+
+        counting = _CountingBackend("aot_eager")
+        compiled = torch.compile(fn, backend=counting, fullgraph=True)
+        for t in (17, 63, 64, 65, 129, 1000, 4097):
+            args, dims = make(t)
+            for token_dim, indices in dims.items():
+                for i in indices:
+                    torch._dynamo.mark_dynamic(args[i], token_dim)
+            out = compiled(*args)
+            out = out[0] if isinstance(out, tuple) else out
+            out.float().sum().backward()
+        reasons = [m.recompile_reason for m in get_compilation_metrics() if m.recompile_reason]
+        rows.append(
+            {
+                "op": name,
+                "compiles": counting.compiles,
+                "recompile_reasons": [r.split("\n")[0] for r in reasons],
+            }
+        )
+    return rows
+
+
 if __name__ == "__main__":
-    print(json.dumps(main(sys.argv[1], sys.argv[2], int(sys.argv[3]))))
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("run without TRITON_INTERPRET: the point is the GPU's op registration")
+    if sys.argv[1] == "ops":
+        for row in ops():
+            print(json.dumps(row))
+    else:
+        print(json.dumps(main(sys.argv[1], sys.argv[2], int(sys.argv[3]))))

@@ -142,23 +142,26 @@ def _empty_token_major(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def _needs_long_indexing(xs, cs, pos_mode, batch, seqlen, cfg, block_half, block_pass):
     """True when an offset the launch can form (padded blocks included) may reach 2^31.
     ``xs``: (shape, strides) of the (B, H, T, D) tensors; ``cs``: the same for cos and sin.
-    Plain arithmetic, strides fetched once: this runs on every call."""
-    worst = 0
+    Plain arithmetic, strides fetched once: this runs on every call. Each offset is compared with
+    the limit on its own, never with another: under torch.compile T is symbolic, and "which tensor
+    reaches furthest" is a guard whose answer flips with T (a recompile), while "below 2^31" holds
+    for every pack."""
+    offs = []
     pad_d = 2 * block_half + block_pass
     for (b, h, t, d), (sb, sh, st, sd) in xs:
-        off = (b - 1) * sb + (h + cfg.block_h) * sh + (t + cfg.block_t) * st + (d + pad_d) * sd
-        worst = off if off > worst else worst
+        offs.append(
+            (b - 1) * sb + (h + cfg.block_h) * sh + (t + cfg.block_t) * st + (d + pad_d) * sd
+        )
     for shape, stride in cs:  # gathered rows (B, T, R) or table rows (P, R), padded in tokens
         if len(shape) == 2:
-            off = (shape[0] + cfg.block_t) * stride[0] + pad_d * stride[1]
+            offs.append((shape[0] + cfg.block_t) * stride[0] + pad_d * stride[1])
         else:
-            off = (
+            offs.append(
                 (shape[0] - 1) * stride[0] + (seqlen + cfg.block_t) * stride[1] + pad_d * stride[2]
             )
-        worst = off if off > worst else worst
     if pos_mode == _POS_CU:
-        worst = max(worst, (batch + 1) * seqlen + cfg.block_t)
-    return worst >= INT32_LIMIT
+        offs.append((batch + 1) * seqlen + cfg.block_t)
+    return any(off >= INT32_LIMIT for off in offs)
 
 
 def _search_steps(n_docs) -> int:

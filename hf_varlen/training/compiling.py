@@ -27,9 +27,10 @@ failures apart from tracing ones).
 Inductor is also told not to specialise on the token count where one of its own heuristics would
 (``token_count_patches``): its mix-order-reduction fusion compares the row count of a reduction
 (the tokens) with fixed sizes (2 x the columns, 4096 rows, 5M elements) and guards on the answer, so
-packs on both sides of such a size compile twice more (seen on the H200: a third compilation at
-64 tokens for a tiny model, whose K/V projections have 32 columns). Its non-strict mode skips those
-checks, "helpful to avoid recompilations" in Inductor's own words.
+packs on both sides of such a size compile once more per size (the likely cause of the third
+compilation seen on the H200 for a tiny model at 64 tokens: the failing guard was T <= 63, and its
+K/V projections have 32 columns). Its non-strict mode skips those checks, "helpful to avoid
+recompilations" in Inductor's own words.
 
 ``--compile-mode`` (Inductor only, default ``default``): the ``torch.compile(mode=...)`` presets
 (``torch._inductor.list_mode_options()``), handed to Inductor as its config patches, as
