@@ -231,6 +231,10 @@ def run_one(run: dict) -> dict:
         if run.get("profile"):
             return profile_step(trainer, run)
         trainer.run()
+        try:  # a diagnostic after the timed steps: its failure must not lose the cell's numbers
+            busy = gpu_busy(trainer) if device == "cuda" else {}
+        except Exception as exc:  # recorded in the cell (and shown by the report), not hidden
+            busy = {"gpu_busy_error": f"{type(exc).__name__}: {exc}"[:300]}
     except torch.OutOfMemoryError:
         return {"status": "OOM"}
     records = trainer_records(run["run_dir"])
@@ -253,7 +257,31 @@ def run_one(run: dict) -> dict:
         "kernels": trainer.kernels,
         "params": trainer.params,
         **compile_stats(run, records, steady),
+        **busy,
     }
+
+
+def gpu_busy(trainer) -> dict:
+    """How busy the GPU is during one more training step (after the timed ones, so compiled and
+    graph-captured modes are warm): device kernel time over the step's wall time, from a
+    CUDA-only profiler trace (no CPU op tracing, which would slow the host and flatter nothing).
+    Kernels on several streams could overlap and count twice; the training step uses one."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    slot = list(trainer.sampler)[0]
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        trainer.train_step([slot])
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    kernel_us = sum(
+        getattr(e, "self_device_time_total", 0) or 0
+        for e in prof.key_averages()
+        if e.device_type == torch.autograd.DeviceType.CUDA
+    )
+    return {"gpu_busy": kernel_us / 1e6 / wall, "busy_step_ms": 1e3 * wall}
 
 
 def compile_stats(run: dict, records: list[dict], steady: list[dict]) -> dict:

@@ -78,6 +78,26 @@ def write_tables(results: list[dict], padding: list[dict], header: dict, path: P
                 gap = loss_gap(r, base)
                 row.append(mfu + (f" / {gap:.1e}" if gap is not None else ""))
             lines.append(f"| {b} | " + " | ".join(row) + " |")
+        if any("gpu_busy" in r or "gpu_busy_error" in r for r in rs):
+            lines += [
+                "",
+                "GPU busy (device kernel time / wall time of one extra step after the timed ones):",
+                "",
+                "| per-device batch | " + " | ".join(modes) + " |",
+                "|---" * (len(modes) + 1) + "|",
+            ]
+            for b in sizes:
+                row = []
+                for m in modes:
+                    r = cell.get((m, b), {})
+                    row.append(
+                        f"{r['gpu_busy']:.0%}"
+                        if "gpu_busy" in r
+                        else "error (gpu_busy_error in results.json)"
+                        if "gpu_busy_error" in r
+                        else "-"
+                    )
+                lines.append(f"| {b} | " + " | ".join(row) + " |")
         # What each mode really ran with (on a CPU the layer kernels are off, for instance).
         ran = {r["run"]["mode"]: r["kernels"] for r in rs if r.get("status") == "ok"}
         lines += ["", "Kernels per mode: " + "; ".join(f"{m}: {k}" for m, k in ran.items())]

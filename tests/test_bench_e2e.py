@@ -210,3 +210,22 @@ def test_hf_varlen_compile_mode_runs_on_cpu(tmp_path):
     assert "compilations" not in eager
     assert compiled["losses"] == pytest.approx(eager["losses"], rel=1e-5)
     assert "compile" in (tmp_path / "e2e_tables.md").read_text()
+
+
+def test_report_writes_the_gpu_busy_table(tmp_path):
+    """Cells measured on a GPU carry gpu_busy (bench_e2e.gpu_busy); the report tables it per mode
+    and batch size, with '-' where a cell has none (a CPU run, an OOM)."""
+    import e2e_report
+
+    def cell(mode, b, busy=None):
+        run = dict(model="llama-1b", data="alpaca", max_length=1024, batch_size=b, mode=mode)
+        r = dict(run=run, status="ok", tokens_per_s=1e4, peak_gib=1.0, mfu=0.3, losses=[1.0])
+        r["kernels"] = "on"
+        return {**r, "gpu_busy": busy} if busy is not None else r
+
+    results = [cell("hf_varlen", 8, 0.42), cell("hf_varlen", 32, 0.857), cell("minimal_varlen", 8)]
+    out = tmp_path / "tables.md"
+    e2e_report.write_tables(results, [], {"gpu": "test"}, out)
+    text = out.read_text()
+    assert "GPU busy (device kernel time / wall time" in text
+    assert "| 8 | 42% | - |" in text and "| 32 | 86% | - |" in text
