@@ -92,6 +92,18 @@ MODES: dict[str, dict] = {
     "hf_varlen-compile-loss": dict(
         attn_backend="auto", fused_kernels="on", fused_loss="off", compile=True
     ),
+    # LoRA (r=16 on every linear layer, peft): the base weights frozen, so the step is mostly
+    # forward + activation gradients, where a user's small fine-tune lives (issue 14 item 5).
+    "hf_varlen-lora": dict(
+        attn_backend="auto", fused_kernels="on", fused_loss="on", lora=True, lora_r=16
+    ),
+    "minimal_varlen-lora": dict(
+        attn_implementation=MINIMAL_ATTN,
+        fused_kernels="off",
+        fused_loss="off",
+        lora=True,
+        lora_r=16,
+    ),
     "minimal_varlen-compile": dict(
         attn_implementation=MINIMAL_ATTN, fused_kernels="off", fused_loss="off", plain_compile=True
     ),
@@ -166,6 +178,8 @@ def mode_unavailable(mode: str, device: str) -> str | None:
     spec = MODES[mode]
     if spec.get("liger") and importlib.util.find_spec("liger_kernel") is None:
         return "liger-kernel not installed"
+    if spec.get("lora") and importlib.util.find_spec("peft") is None:
+        return "peft not installed (LoRA modes)"
     if spec.get("attn_implementation") == MINIMAL_ATTN and device != "cuda":
         return "torch varlen_attn needs CUDA"
     if spec.get("attn_implementation") == "flex_attention" and device != "cuda":

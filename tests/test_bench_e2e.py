@@ -212,6 +212,23 @@ def test_hf_varlen_compile_mode_runs_on_cpu(tmp_path):
     assert "compile" in (tmp_path / "e2e_tables.md").read_text()
 
 
+def test_lora_mode_trains_only_adapters_on_cpu(tmp_path):
+    """hf_varlen-lora (peft, r=16 on every linear layer) trains on CPU and its loss moves like a
+    LoRA run's: the same first loss as the full fine-tune (zero-initialised B), then other steps."""
+    pytest.importorskip("peft")
+    results = bench_e2e.main(
+        COMMON
+        + ["--batch-sizes", "4", "--modes", "hf_varlen,hf_varlen-lora,minimal_varlen-lora"]
+        + ["--out", str(tmp_path), "--no-isolate"]
+    )
+    runs = _by_mode(results, 4)
+    full, lora = runs["hf_varlen"], runs["hf_varlen-lora"]
+    assert lora["status"] == "ok", lora["status"]
+    assert runs["minimal_varlen-lora"]["status"] == "skipped: torch varlen_attn needs CUDA"
+    assert lora["losses"][0] == pytest.approx(full["losses"][0], rel=1e-6)
+    assert lora["losses"][1:] != pytest.approx(full["losses"][1:], rel=1e-6)
+
+
 def test_report_writes_the_gpu_busy_table(tmp_path):
     """Cells measured on a GPU carry gpu_busy (bench_e2e.gpu_busy); the report tables it per mode
     and batch size, with '-' where a cell has none (a CPU run, an OOM)."""
