@@ -17,6 +17,8 @@
 #                                   1B-shape compile cell takes 170-215 s on the H200)
 #   bash scripts/gpu_evidence.sh graphs    OUT_DIR   # bench_e2e: --compile-mode reduce-overhead, B32/8
 #   bash scripts/gpu_evidence.sh coverage  OUT_DIR   # bench_coverage_check: the eager offsets check
+#   bash scripts/gpu_evidence.sh lora      OUT_DIR   # bench_e2e: LoRA r=16 vs full, B8 and B32
+#                                                     (needs the peft wheel among the carried ones)
 #
 # `tests` takes optional test files after OUT_DIR (default: every file that holds a GPU test), and
 # also runs the TRL / mixed-precision files, whose trainers use the GPU when there is one.
@@ -146,6 +148,12 @@ graphs)
         --plots-dir "$out/graphs" --tokenizer "$data/qwen2" --alpaca "$data/alpaca_5000.json" \
         --lima "$data/lima.json" --modes hf_varlen,hf_varlen-compile,hf_varlen-graphs \
         --batch-sizes 32,8 --steps 15 --warmup 5 --timeout 240
+    ;;
+lora)
+    step bench_e2e_lora 560 python3 scripts/bench_e2e.py --out "$out/lora" \
+        --plots-dir "$out/lora" --tokenizer "$data/qwen2" --alpaca "$data/alpaca_5000.json" \
+        --lima "$data/lima.json" --modes minimal_varlen,minimal_varlen-lora,hf_varlen,hf_varlen-lora \
+        --batch-sizes 32,8 --steps 15 --warmup 5 --timeout 120
     ;;
 coverage)
     step bench_coverage_check 150 python3 scripts/bench_coverage_check.py --layers 16 \
