@@ -49,6 +49,12 @@ _TOKEN_KEYS = ("input_ids", "labels", "position_ids", "inputs_embeds", "token_ty
 _OFFSET_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k")
 
 
+# torch.compiler.config.dynamic_sources patterns for the collator's max_length_q/k ints, whether
+# the compiled frame gets them as keyword arguments (L['kwargs']['max_length_q']) or as locals:
+# dynamo then traces them symbolic from the first compilation instead of static-then-symbolic.
+MAX_LENGTH_SOURCES = r".*\['max_length_[qk]'\]"
+
+
 def mark_dynamic_pack(batch):
     """Mark a packed batch's token dimension and document count dynamic for torch.compile.
 
@@ -58,6 +64,9 @@ def mark_dynamic_pack(batch):
     documents (cu_seq_lens length) only when it first differs, possibly many packs later. With it,
     the first graph is already symbolic in both, and only the ``max_length_q/k`` ints (static in
     the first graph, symbolic after their first change) cost one more: at most 2 compilations.
+    Ints cannot be marked; ``torch.compiler.config.patch(dynamic_sources=MAX_LENGTH_SOURCES)``
+    around the compiled calls makes them symbolic from the start too (one compilation; what
+    ``hf-varlen train --compile`` does).
     Returns ``batch`` (marked in place; keys it does not know are left alone).
     """
     for key in _TOKEN_KEYS:

@@ -9,8 +9,10 @@ What ``--compile`` does:
   that names its source instead of a silent slowdown.
 - Every micro-batch is marked dynamic before the forward (``hf_varlen.metadata.mark_dynamic_pack``:
   the token dimension and the document count; for padded batches the sequence dimension of the
-  attention mask too), so changing packs do not recompile: one graph for training, one more when
-  the collator's ``max_length`` ints first change. Eval (``model.eval()`` under ``no_grad``) is a
+  attention mask too), and the collator's ``max_length_q/k`` ints are traced symbolic from the
+  start, as is the loss's ``num_items_in_batch`` (``torch.compiler.config.dynamic_sources``,
+  ``DYNAMIC_INTS``), so changing packs do not recompile: one graph for training (padded batches:
+  rows and length marked dynamic; a one-row batch is a graph of its own). Eval (``model.eval()`` under ``no_grad``) is a
   graph of its own. With ``--static-shapes`` the batches take only the ladder's token counts and
   one ``cu_seq_lens`` length; they are still marked dynamic, because one graph per bucket would
   exceed Dynamo's recompile limit (the static shapes are for CUDA graphs, captured per bucket).
@@ -47,6 +49,7 @@ from typing import Any
 
 import torch
 
+from ..metadata import MAX_LENGTH_SOURCES
 from .config import TrainConfig
 
 DEFAULT_BACKEND = "inductor"
@@ -58,6 +61,12 @@ def _mode_options(mode: str | None = None):
     from torch._inductor import list_mode_options
 
     return list_mode_options(mode) if mode else list_mode_options()
+
+
+# Python ints of a training call that change from batch to batch: the collator's max lengths and
+# the loss's token count (the fused loss's num_items_in_batch). Traced symbolic from the first
+# compilation (torch.compiler.config.dynamic_sources; static first, each would cost one more).
+DYNAMIC_INTS = ",".join((MAX_LENGTH_SOURCES, r".*\['num_items_in_batch'\]"))
 
 
 def token_count_patches() -> dict[str, Any]:
@@ -158,6 +167,11 @@ class ModelCompiler:
             mask = inputs.get("attention_mask")
             if isinstance(mask, torch.Tensor) and mask.dim() >= 1:  # padded [B, L] batches
                 torch._dynamo.maybe_mark_dynamic(mask, mask.dim() - 1)
+                if mask.dim() == 2:  # the number of rows changes too (B = 1 stays its own graph)
+                    for key in ("input_ids", "labels", "attention_mask", "position_ids"):
+                        t = inputs.get(key)
+                        if isinstance(t, torch.Tensor) and t.dim() == 2:
+                            torch._dynamo.maybe_mark_dynamic(t, 0)
         return inputs
 
     def guard(self):
@@ -175,8 +189,12 @@ class ModelCompiler:
         import torch._dynamo
         from torch._dynamo.exc import TorchDynamoException
 
+        sources = ",".join(filter(None, (torch.compiler.config.dynamic_sources, DYNAMIC_INTS)))
         try:
-            with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+            with (
+                torch._dynamo.config.patch(fail_on_recompile_limit_hit=True),
+                torch.compiler.config.patch(dynamic_sources=sources),
+            ):
                 yield
         except TorchDynamoException as exc:
             reason = " ".join(str(exc).split("\n\n")[0].split())[:1500]
