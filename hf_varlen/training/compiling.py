@@ -189,12 +189,12 @@ class ModelCompiler:
         import torch._dynamo
         from torch._dynamo.exc import TorchDynamoException
 
-        sources = ",".join(filter(None, (torch.compiler.config.dynamic_sources, DYNAMIC_INTS)))
+        ints = contextlib.nullcontext()  # a torch without the allowlist: they recompile once
+        if hasattr(torch.compiler.config, "dynamic_sources"):
+            sources = ",".join(filter(None, (torch.compiler.config.dynamic_sources, DYNAMIC_INTS)))
+            ints = torch.compiler.config.patch(dynamic_sources=sources)
         try:
-            with (
-                torch._dynamo.config.patch(fail_on_recompile_limit_hit=True),
-                torch.compiler.config.patch(dynamic_sources=sources),
-            ):
+            with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True), ints:
                 yield
         except TorchDynamoException as exc:
             reason = " ".join(str(exc).split("\n\n")[0].split())[:1500]
