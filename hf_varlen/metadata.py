@@ -42,10 +42,12 @@ __all__ = [
     "from_position_ids",
     "from_rows",
     "mark_dynamic_pack",
+    "symbolic_batch_ints",
 ]
 
-# Keys of a packed batch whose last dimension is the token count, and the offsets (n_docs + 1).
-_TOKEN_KEYS = ("input_ids", "labels", "position_ids", "inputs_embeds", "token_type_ids")
+# Keys of a packed batch whose last dimension is the token count (seq_idx: TRL's padding-free
+# document index per token), and the offsets (n_docs + 1).
+_TOKEN_KEYS = ("input_ids", "labels", "position_ids", "inputs_embeds", "token_type_ids", "seq_idx")
 _OFFSET_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k")
 
 
@@ -53,6 +55,23 @@ _OFFSET_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k")
 # the compiled frame gets them as keyword arguments (L['kwargs']['max_length_q']) or as locals:
 # dynamo then traces them symbolic from the first compilation instead of static-then-symbolic.
 MAX_LENGTH_SOURCES = r".*\['max_length_[qk]'\]"
+# The same for the loss's token count (Trainer's num_items_in_batch, when it is a Python int).
+NUM_ITEMS_SOURCES = r".*\['num_items_in_batch'\]"
+
+
+def symbolic_batch_ints():
+    """Context manager for calls into a compiled packed model: torch.compile traces the batch's
+    changing ints (``max_length_q/k``, ``num_items_in_batch``) symbolic from the first
+    compilation (``torch.compiler.config.dynamic_sources``, appended to the user's own), where each
+    would otherwise compile static first and once more when it changes. A no-op on a torch
+    without that setting. Pair with ``mark_dynamic_pack`` for the tensors."""
+    import contextlib
+
+    config = torch.compiler.config
+    if not hasattr(config, "dynamic_sources"):
+        return contextlib.nullcontext()
+    ours = ",".join((MAX_LENGTH_SOURCES, NUM_ITEMS_SOURCES))
+    return config.patch(dynamic_sources=",".join(filter(None, (config.dynamic_sources, ours))))
 
 
 def mark_dynamic_pack(batch):
@@ -64,9 +83,9 @@ def mark_dynamic_pack(batch):
     documents (cu_seq_lens length) only when it first differs, possibly many packs later. With it,
     the first graph is already symbolic in both, and only the ``max_length_q/k`` ints (static in
     the first graph, symbolic after their first change) cost one more: at most 2 compilations.
-    Ints cannot be marked; ``torch.compiler.config.patch(dynamic_sources=MAX_LENGTH_SOURCES)``
-    around the compiled calls makes them symbolic from the start too (one compilation; what
-    ``hf-varlen train --compile`` does).
+    Ints cannot be marked; ``symbolic_batch_ints()`` around the compiled calls makes them symbolic
+    from the start too (one compilation; what ``hf-varlen train --compile`` and
+    ``VarlenSFTTrainer(torch_compile=True)`` do).
     Returns ``batch`` (marked in place; keys it does not know are left alone).
     """
     for key in _TOKEN_KEYS:

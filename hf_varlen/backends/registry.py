@@ -130,6 +130,10 @@ def get_spec(name: str) -> BackendSpec:
         ) from None
 
 
+# Constant for the process, and evaluated in plain Python while torch.compile traces: probing
+# writes the cache, a side effect Dynamo refuses inside a HOP (a checkpointed layer under TRL's
+# default gradient checkpointing: a graph break on the first compiled call of a process).
+@torch.compiler.assume_constant_result
 def unavailable_reason(name: str) -> str | None:
     """None if backend ``name`` can run in this process, else why not (cached)."""
     if name not in _PROBE_CACHE:

@@ -58,6 +58,7 @@ from typing import Any
 import torch
 from trl import SFTTrainer
 
+from ..metadata import mark_dynamic_pack, symbolic_batch_ints
 from .loss import install_fused_cross_entropy, is_fused_cross_entropy_installed
 from .trainer_callbacks import OffsetsCheckCallback
 
@@ -151,7 +152,12 @@ class VarlenSFTTrainer(SFTTrainer):
         if num_items_in_batch is not None:
             call["num_items_in_batch"] = num_items_in_batch
         # With return_outputs (eval metrics on logits) one ordinary forward gives logits and loss.
-        outputs = model(**call, fused_loss=not return_outputs)
+        if self.args.torch_compile:  # no recompile per pack: tensors marked, ints symbolic
+            mark_dynamic_pack(call)
+            with symbolic_batch_ints():
+                outputs = model(**call, fused_loss=not return_outputs)
+        else:
+            outputs = model(**call, fused_loss=not return_outputs)
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs[0]
         if self.args.average_tokens_across_devices and num_items_in_batch is not None:
             # As TRL and Trainer do: num_items_in_batch counts every rank's tokens, DDP averages.

@@ -10,8 +10,8 @@ What ``--compile`` does:
 - Every micro-batch is marked dynamic before the forward (``hf_varlen.metadata.mark_dynamic_pack``:
   the token dimension and the document count; for padded batches the sequence dimension of the
   attention mask too), and the collator's ``max_length_q/k`` ints are traced symbolic from the
-  start, as is the loss's ``num_items_in_batch`` (``torch.compiler.config.dynamic_sources``,
-  ``DYNAMIC_INTS``), so changing packs do not recompile: one graph for training (padded batches:
+  start, as is the loss's ``num_items_in_batch`` (``hf_varlen.metadata.symbolic_batch_ints``:
+  ``torch.compiler.config.dynamic_sources``), so changing packs do not recompile: one graph for training (padded batches:
   rows and length marked dynamic; a one-row batch is a graph of its own). Eval (``model.eval()`` under ``no_grad``) is a
   graph of its own. With ``--static-shapes`` the batches take only the ladder's token counts and
   one ``cu_seq_lens`` length; they are still marked dynamic, because one graph per bucket would
@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from ..metadata import MAX_LENGTH_SOURCES
+from ..metadata import symbolic_batch_ints
 from .config import TrainConfig
 
 DEFAULT_BACKEND = "inductor"
@@ -61,12 +61,6 @@ def _mode_options(mode: str | None = None):
     from torch._inductor import list_mode_options
 
     return list_mode_options(mode) if mode else list_mode_options()
-
-
-# Python ints of a training call that change from batch to batch: the collator's max lengths and
-# the loss's token count (the fused loss's num_items_in_batch). Traced symbolic from the first
-# compilation (torch.compiler.config.dynamic_sources; static first, each would cost one more).
-DYNAMIC_INTS = ",".join((MAX_LENGTH_SOURCES, r".*\['num_items_in_batch'\]"))
 
 
 def token_count_patches() -> dict[str, Any]:
@@ -189,12 +183,11 @@ class ModelCompiler:
         import torch._dynamo
         from torch._dynamo.exc import TorchDynamoException
 
-        ints = contextlib.nullcontext()  # a torch without the allowlist: they recompile once
-        if hasattr(torch.compiler.config, "dynamic_sources"):
-            sources = ",".join(filter(None, (torch.compiler.config.dynamic_sources, DYNAMIC_INTS)))
-            ints = torch.compiler.config.patch(dynamic_sources=sources)
         try:
-            with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True), ints:
+            with (
+                torch._dynamo.config.patch(fail_on_recompile_limit_hit=True),
+                symbolic_batch_ints(),
+            ):
                 yield
         except TorchDynamoException as exc:
             reason = " ".join(str(exc).split("\n\n")[0].split())[:1500]
