@@ -36,6 +36,36 @@ def fmt_cell(r: dict) -> str:
     return text
 
 
+def _mode_table(title: str, modes: list[str], sizes: list[int], cell: dict, value) -> list[str]:
+    """Markdown lines: ``title``, then one row per batch size and one column per mode, each cell
+    ``value(cell, mode, batch_size)`` (``cell``: results keyed by (mode, batch size))."""
+    lines = ["", title, "", "| per-device batch | " + " | ".join(modes) + " |"]
+    lines.append("|---" * (len(modes) + 1) + "|")
+    for b in sizes:
+        lines.append(f"| {b} | " + " | ".join(value(cell, m, b) for m in modes) + " |")
+    return lines
+
+
+def _tokens_cell(cell: dict, mode: str, b: int) -> str:
+    return fmt_cell(cell.get((mode, b), {"status": "-"}))
+
+
+def _mfu_gap_cell(cell: dict, mode: str, b: int) -> str:
+    r = cell.get((mode, b), {})
+    if r.get("status") != "ok":
+        return "-"
+    mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "n/a"
+    gap = loss_gap(r, cell.get(("padded_sdpa", b)))
+    return mfu + (f" / {gap:.1e}" if gap is not None else "")
+
+
+def _busy_cell(cell: dict, mode: str, b: int) -> str:
+    r = cell.get((mode, b), {})
+    if "gpu_busy" in r:
+        return f"{r['gpu_busy']:.0%}"
+    return "error (gpu_busy_error in results.json)" if "gpu_busy_error" in r else "-"
+
+
 def write_tables(results: list[dict], padding: list[dict], header: dict, path: Path) -> None:
     lines = ["## End-to-end training (scripts/bench_e2e.py)", "", "```", json.dumps(header), "```"]
     groups: dict[tuple, list[dict]] = {}
@@ -48,56 +78,16 @@ def write_tables(results: list[dict], padding: list[dict], header: dict, path: P
         sizes = sorted({r["run"]["batch_size"] for r in rs})
         cell = {(r["run"]["mode"], r["run"]["batch_size"]): r for r in rs}
         layers = rs[0]["run"].get("layers")
-        lines += [
-            "",
-            f"### {model}{f' ({layers} layers)' if layers else ''}, {data}, max_length "
-            f"{max_length}: real tokens/s, peak memory",
-            "",
-            "| per-device batch | " + " | ".join(modes) + " |",
-            "|---" * (len(modes) + 1) + "|",
-        ]
-        for b in sizes:
-            row = [fmt_cell(cell.get((m, b), {"status": "-"})) for m in modes]
-            lines.append(f"| {b} | " + " | ".join(row) + " |")
-        lines += [
-            "",
-            "MFU / max relative loss gap to padded_sdpa over the run:",
-            "",
-            "| per-device batch | " + " | ".join(modes) + " |",
-            "|---" * (len(modes) + 1) + "|",
-        ]
-        for b in sizes:
-            base = cell.get(("padded_sdpa", b))
-            row = []
-            for m in modes:
-                r = cell.get((m, b), {})
-                if r.get("status") != "ok":
-                    row.append("-")
-                    continue
-                mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "n/a"
-                gap = loss_gap(r, base)
-                row.append(mfu + (f" / {gap:.1e}" if gap is not None else ""))
-            lines.append(f"| {b} | " + " | ".join(row) + " |")
+        title = f"### {model}{f' ({layers} layers)' if layers else ''}, {data}, max_length "
+        lines += _mode_table(f"{title}{max_length}: real tokens/s, peak memory", modes, sizes,
+                             cell, _tokens_cell)  # fmt: skip
+        lines += _mode_table("MFU / max relative loss gap to padded_sdpa over the run:", modes,
+                             sizes, cell, _mfu_gap_cell)  # fmt: skip
         if any("gpu_busy" in r or "gpu_busy_error" in r for r in rs):
-            lines += [
-                "",
+            lines += _mode_table(
                 "GPU busy (device kernel time / wall time of one extra step after the timed ones):",
-                "",
-                "| per-device batch | " + " | ".join(modes) + " |",
-                "|---" * (len(modes) + 1) + "|",
-            ]
-            for b in sizes:
-                row = []
-                for m in modes:
-                    r = cell.get((m, b), {})
-                    row.append(
-                        f"{r['gpu_busy']:.0%}"
-                        if "gpu_busy" in r
-                        else "error (gpu_busy_error in results.json)"
-                        if "gpu_busy_error" in r
-                        else "-"
-                    )
-                lines.append(f"| {b} | " + " | ".join(row) + " |")
+                modes, sizes, cell, _busy_cell,
+            )  # fmt: skip
         # What each mode really ran with (on a CPU the layer kernels are off, for instance).
         ran = {r["run"]["mode"]: r["kernels"] for r in rs if r.get("status") == "ok"}
         lines += ["", "Kernels per mode: " + "; ".join(f"{m}: {k}" for m, k in ran.items())]
