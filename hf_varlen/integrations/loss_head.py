@@ -45,12 +45,18 @@ def _lora_effective(layer) -> tuple[torch.Tensor, torch.Tensor | None]:
     return weight, bias
 
 
+def _is_peft_lora_layer(head: torch.nn.Module) -> bool:
+    """Whether ``head`` is a PEFT LoRA layer, told from its class, never by importing peft: a LoRA
+    head means peft is already imported, and this runs inside the compiled forward, where an import
+    (of a peft that fails to import against this transformers) would be a graph break."""
+    return any(
+        cls.__name__ == "LoraLayer" and cls.__module__.startswith("peft.tuners.lora")
+        for cls in type(head).__mro__
+    )
+
+
 def head_params(head: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    try:
-        from peft.tuners.lora import LoraLayer
-    except ImportError:
-        LoraLayer = None
-    if LoraLayer is not None and isinstance(head, LoraLayer):
+    if _is_peft_lora_layer(head):
         weight, bias = _lora_effective(head)
     else:  # nn.Linear, or a wrapper exposing its active module's weight (peft ModulesToSaveWrapper)
         weight, bias = getattr(head, "weight", None), getattr(head, "bias", None)

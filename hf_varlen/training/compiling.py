@@ -26,13 +26,18 @@ What ``--compile`` does:
 ``aot_eager`` traces forward and backward without generating code (CPU tests, telling Inductor
 failures apart from tracing ones).
 
-Inductor is also told not to specialise on the token count where one of its own heuristics would
-(``token_count_patches``): its mix-order-reduction fusion compares the row count of a reduction
-(the tokens) with fixed sizes (2 x the columns, 4096 rows, 5M elements) and guards on the answer, so
-packs on both sides of such a size compile once more per size (the likely cause of the third
-compilation seen on the H200 for a tiny model at 64 tokens: the failing guard was T <= 63, and its
-K/V projections have 32 columns). Its non-strict mode skips those checks, "helpful to avoid
-recompilations" in Inductor's own words.
+Inductor is also told not to specialise on the token count where its own heuristics would
+(``token_count_patches``), because packs on both sides of such a size compile once more per size:
+
+- shape padding (``shape_padding``): deciding whether to pad a matmul's dims to an alignment, it
+  compares the row count M (the tokens) with the matmul's K and N and guards on the answer. This is
+  the recompile measured on the H200 (torch 2.11, commit 686d225): a tiny model's graphs guarded
+  ``T < 97`` and ``T < 64`` (its vocabulary and hidden size), and packs of 64+ tokens compiled a
+  third graph; at the 1B shape the same guard sits at T = 2048, inside the range of batch-32 packs.
+  Padding a dynamic M is never done anyway, and real models' K / N are already aligned.
+- mix-order reduction (``triton.mix_order_reduction_non_strict_mode``): this fusion compares the
+  row count of a reduction with fixed sizes (2 x the columns, 4096 rows, 5M elements); its
+  non-strict mode skips those checks, "helpful to avoid recompilations" in Inductor's own words.
 
 ``--compile-mode`` (Inductor only, default ``default``): the ``torch.compile(mode=...)`` presets
 (``torch._inductor.list_mode_options()``), handed to Inductor as its config patches, as
@@ -68,9 +73,12 @@ def token_count_patches() -> dict[str, Any]:
     module doc); empty where this torch's Inductor has no such heuristic."""
     from torch._inductor import config
 
+    patches: dict[str, Any] = {}
+    if hasattr(config, "shape_padding"):
+        patches["shape_padding"] = False
     if hasattr(config.triton, "mix_order_reduction_non_strict_mode"):
-        return {"triton.mix_order_reduction_non_strict_mode": True}
-    return {}
+        patches["triton.mix_order_reduction_non_strict_mode"] = True
+    return patches
 
 
 class CompileError(RuntimeError):
