@@ -11,7 +11,10 @@ Why a subclass. TRL 1.16's ``SFTTrainer`` installs its own fused LM head on ever
 log-probabilities with ``fused_lm_head=True``; a loss installed on the model
 (``hf_varlen.install_fused_cross_entropy``) is never reached that way. On an H200 (16,384 tokens x
 hidden 2048 x vocab 151,936, bf16, forward+backward) hf_varlen's ``fused_linear_cross_entropy``
-takes 51.5 ms where TRL's head as SFTTrainer runs it takes 70.8 ms, at the same extra peak memory.
+takes 51.5 ms where TRL's head as SFTTrainer runs it takes 70.8 ms, at the same extra peak memory;
+but end to end under TRL's defaults (fp32 weights, bf16 autocast; 1B shape, batch 32) training with
+this subclass measured 6-9% slower than plain ``SFTTrainer`` (docs/BENCHMARKS.md, TRL section), so
+it is for the fused op's options, not for speed, until that is understood.
 
 The seams used are the documented ones, nothing of TRL is patched or reassigned:
 
