@@ -57,7 +57,8 @@ def _op_cases(device: str):
     gate, up = randn(3, 2, 40, grad=True), randn(3, 2, 40, grad=True)
     hid, wv = randn(7, 16, grad=True), randn(11, 16, grad=True)
     labels = torch.tensor([1, -100, 3, 10, 0, -100, 5], device=device)
-    ce = (-100, "sum", None, 1.0, 0.0, 0.0, 3, "torch", True, True, False)
+    # ..., backend, drop_ignored (the host-synced row compaction: opcheck both ways), need_*
+    ce = (-100, "sum", None, 1.0, 0.0, 0.0, 3, "torch", True, True, True, False)
     return {
         "rope_qk": (ops.rope_qk.default, (q, k, cos, sin, None, None, False, d, 0, False, q.dtype)),
         "rope_qk-table-cu": (
@@ -100,6 +101,7 @@ def _op_cases(device: str):
                 1e-3,
                 None,
                 "triton",
+                False,
                 True,
                 True,
                 False,
@@ -122,6 +124,7 @@ def _op_cases(device: str):
                 "torch",
                 True,
                 True,
+                True,
                 False,
             ),
         ),  # fmt: skip
@@ -140,6 +143,7 @@ def _op_cases(device: str):
                 0.0,
                 3,
                 "torch",
+                False,
                 True,
                 True,
                 False,

@@ -87,6 +87,33 @@ def test_model_loss_and_grads_match(family):
         torch.testing.assert_close(gf[name], gp[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_drop_ignored_tokens_reaches_the_op(monkeypatch):
+    """install_fused_cross_entropy(drop_ignored_tokens=True) drops the masked prompt tokens before
+    the matmuls (the option reaches the op), with the same loss and gradients as the default."""
+    from hf_varlen.ops import cross_entropy_chunks as chunks
+
+    seen = []
+    kept_rows = chunks.kept_rows
+    monkeypatch.setattr(
+        chunks, "kept_rows", lambda h, y, i, drop: seen.append(drop) or kept_rows(h, y, i, drop)
+    )
+    monkeypatch.setattr("hf_varlen.ops.cross_entropy.kept_rows", chunks.kept_rows)
+    plain = _model()
+    ids, labels = _batch()
+    results = []
+    for drop in (False, True):
+        model = install_fused_cross_entropy(copy.deepcopy(plain), drop_ignored_tokens=drop)
+        out = model(input_ids=ids, labels=labels)
+        out.loss.backward()
+        results.append((out.loss.detach(), _grads(model)))
+    assert seen == [False, True]
+    torch.testing.assert_close(results[1][0], results[0][0])
+    for name, g in results[0][1].items():
+        torch.testing.assert_close(results[1][1][name], g, rtol=1e-4, atol=1e-6, msg=name)
+    with pytest.raises(TypeError, match="drop_ignored_tokens"):
+        install_fused_cross_entropy(copy.deepcopy(plain), drop_ignored_tokens=1)
+
+
 def test_training_curve_identical_over_sgd_steps():
     plain = _model()
     fused = install_fused_cross_entropy(copy.deepcopy(plain), backend="torch", chunk_size=13)

@@ -1,12 +1,12 @@
-"""The fused cross-entropy without row compaction (what runs while a CUDA graph is captured).
+"""The fused cross-entropy's two row policies: every row (default) and ``drop_ignored_tokens``.
 
-Normally ignored rows are dropped before the matmuls, which needs their count on the host (one
-sync per loss call). During CUDA-graph capture ``ops.cross_entropy_chunks.compact_rows`` is False: every
-row goes through the chunk loop, ignored ones get zero loss and gradients from the row step, and
-the label count stays a device tensor. Here that path is forced on CPU (fp32, torch row step) and
-must follow the numerics rule with ref_lo = the compacting path (how the op normally runs) and
-ref_hi = the full-logits reference in fp64, for every reduction, with a bias, with all labels
-ignored, eager and through the registered op.
+By default every row goes through the chunk loop: ignored ones get zero loss and gradients from
+the row step and the kept-token count stays a device tensor, so nothing is read back to the host
+(graph-safe, no sync mid-forward). ``drop_ignored_tokens=True`` drops the ignored rows before the
+matmuls, which needs their count on the host (one sync per call) and is refused while a CUDA graph
+is captured. Both must follow the numerics rule against each other and the fp64 full-logits
+reference (ref_hi), for every reduction, with a bias, with all labels ignored, eager and through
+the registered op (CPU, fp32, torch row step).
 """
 
 from __future__ import annotations
@@ -34,19 +34,19 @@ def _inputs(n=29, hidden=8, vocab=70, *, dtype=torch.float32, all_ignored=False,
     return h, w, b, y
 
 
-def _run(monkeypatch, compact: bool | None, reduction: str, traced: bool, **kw):
-    """(loss, dh, dW, db) of the op (compact None: the fp64 full-logits reference)."""
-    monkeypatch.setattr(chunks, "compact_rows", lambda hidden: compact)
-    h, w, b, y = _inputs(dtype=torch.float64 if compact is None else torch.float32, **kw)
-    if compact is None:
+def _run(drop: bool | None, reduction: str, traced: bool, **kw):
+    """(loss, dh, dW, db) of the op (drop None: the fp64 full-logits reference)."""
+    h, w, b, y = _inputs(dtype=torch.float64 if drop is None else torch.float32, **kw)
+    if drop is None:
         loss = linear_cross_entropy_reference(h, w, y, bias=b, reduction=reduction)
     elif traced:  # the registered op, as torch.compile calls it
-        cfg = ce_ops.cfg_of(-100, reduction, None, 1.0, 0.0, 0.0, 8, "torch")
+        cfg = ce_ops.cfg_of(-100, reduction, None, 1.0, 0.0, 0.0, 8, "torch", drop)
         loss = ce_ops.fused_linear_ce_traced(h, w, b, y, cfg)
     else:
         loss = fused_linear_cross_entropy(
-            h, w, y, bias=b, reduction=reduction, chunk_size=8, backend="torch"
-        )
+            h, w, y, bias=b, reduction=reduction, chunk_size=8, backend="torch",
+            drop_ignored_tokens=drop,
+        )  # fmt: skip
     scale = torch.linspace(0.5, 1.5, loss.numel(), dtype=loss.dtype).view(loss.shape)
     (loss * scale).sum().backward()
     return loss.detach(), h.grad, w.grad, b.grad
@@ -55,28 +55,55 @@ def _run(monkeypatch, compact: bool | None, reduction: str, traced: bool, **kw):
 @pytest.mark.parametrize("traced", [False, True], ids=["eager", "op"])
 @pytest.mark.parametrize("reduction", ["sum", "mean", "none"])
 @pytest.mark.parametrize("all_ignored", [False, True], ids=["some", "all-ignored"])
-def test_uncompacted_rows_equal_compacted(monkeypatch, reduction, traced, all_ignored):
-    hi = _run(monkeypatch, None, reduction, traced, all_ignored=all_ignored)
-    lo = _run(monkeypatch, True, reduction, traced, all_ignored=all_ignored)
-    x = _run(monkeypatch, False, reduction, traced, all_ignored=all_ignored)
+def test_every_row_equals_dropped_rows(reduction, traced, all_ignored):
+    hi = _run(None, reduction, traced, all_ignored=all_ignored)
+    lo = _run(True, reduction, traced, all_ignored=all_ignored)
+    x = _run(False, reduction, traced, all_ignored=all_ignored)
     for i, name in enumerate(("loss", "dh", "dW", "db")):
         factor = 2 if i == 0 else 3
         assert_numerics(f"{reduction} {name}", x[i], hi[i], lo[i], factor=factor)
+        assert_numerics(f"{reduction} {name} (dropped)", lo[i], hi[i], x[i], factor=factor)
     if all_ignored:
         assert float(x[0].abs().sum()) == 0.0 and float(x[1].abs().sum()) == 0.0
 
 
-def test_uncompacted_rows_read_nothing_back(monkeypatch):
-    monkeypatch.setattr(chunks, "compact_rows", lambda hidden: False)
-    h, _, _, y = _inputs()
-    n_valid, idx, rows, labels = chunks.kept_rows(h, y, -100)
+@pytest.mark.parametrize("reduction", ["sum", "mean", "none"])
+def test_default_reads_no_number_back(monkeypatch, reduction):
+    """The default converts no tensor to a Python number and calls nothing data-dependent
+    (nonzero): on CUDA each would be a host sync in the middle of the forward."""
+
+    def refuse(*_a, **_k):
+        raise AssertionError("the default fused cross-entropy read a tensor back to the host")
+
+    h, w, b, y = _inputs()
+    for name in ("__int__", "__bool__", "__float__", "item", "tolist", "nonzero"):
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+    loss = fused_linear_cross_entropy(h, w, y, bias=b, reduction=reduction, backend="torch")
+    loss.sum().backward()
+    monkeypatch.undo()
+    n_valid, idx, rows, labels = chunks.kept_rows(h, y, -100, False)
     assert isinstance(n_valid, torch.Tensor) and n_valid.dim() == 0  # a device count, no int()
     assert idx is None and rows is h and labels is y
     assert int(n_valid) == int((y != -100).sum())
 
 
-def test_rows_are_compacted_outside_a_capture():
+def test_dropping_compacts_the_rows():
     h, _, _, y = _inputs()
-    assert chunks.compact_rows(h)
-    n_valid, idx, rows, _ = chunks.kept_rows(h, y, -100)
+    n_valid, idx, rows, _ = chunks.kept_rows(h, y, -100, True)
     assert n_valid == int((y != -100).sum()) and rows.shape[0] == n_valid and idx is not None
+
+
+def test_dropping_is_refused_inside_a_capture(monkeypatch):
+    """A CUDA-graph capture cannot read the count back: an explicit drop is an error there (never
+    a silent switch of policy); the default runs unchanged."""
+    monkeypatch.setattr(chunks, "capturing", lambda hidden: True)
+    h, w, _, y = _inputs()
+    with pytest.raises(ValueError, match="drop_ignored_tokens=True .* CUDA graph capture"):
+        fused_linear_cross_entropy(h, w, y, backend="torch", drop_ignored_tokens=True)
+    fused_linear_cross_entropy(h, w, y, backend="torch").backward()
+
+
+def test_drop_option_is_checked():
+    h, w, _, y = _inputs()
+    with pytest.raises(TypeError, match="drop_ignored_tokens: expected True or False"):
+        fused_linear_cross_entropy(h, w, y, drop_ignored_tokens="yes")

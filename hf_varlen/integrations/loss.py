@@ -65,6 +65,7 @@ class _Options:
     z_loss: float = 0.0
     label_smoothing: float = 0.0
     backend: str = "auto"
+    drop_ignored_tokens: bool = False
 
 
 @dataclasses.dataclass
@@ -168,6 +169,7 @@ def _fused_head_forward(
         chunk_size=opts.chunk_size,
         logit_scale=logit_scale,
         backend=opts.backend,
+        drop_ignored_tokens=opts.drop_ignored_tokens,
     )
     call.n_tokens = (labels != IGNORE_INDEX).sum()
     return hidden.new_empty((*hidden.shape[:-1], 0))
@@ -276,6 +278,7 @@ def install_fused_cross_entropy(
     z_loss: float = 0.0,
     label_smoothing: float = 0.0,
     backend: str = "auto",
+    drop_ignored_tokens: bool = False,
 ) -> torch.nn.Module:
     """Make ``model``'s training loss the fused linear cross-entropy (see the module doc).
 
@@ -286,6 +289,9 @@ def install_fused_cross_entropy(
     Calls of the wrapped forward accept ``fused_loss: bool | None`` (default None: fused in
     training mode when ``labels`` are given; True: also in eval mode, returning no logits; False:
     the original forward). Undo with :func:`uninstall_fused_cross_entropy`.
+
+    ``drop_ignored_tokens``: see ``hf_varlen.ops.fused_linear_cross_entropy`` (False, the default:
+    no host sync, CUDA-graph safe; True: fewer FLOPs when many labels are masked, one sync per step).
     """
     lm = _causal_lm(model)
     if not isinstance(lm, torch.nn.Module) or not callable(
@@ -307,7 +313,10 @@ def install_fused_cross_entropy(
         raise ValueError(
             f"label_smoothing / z_loss: expected [0, 1) / >= 0, got {label_smoothing} / {z_loss}"
         )
+    if not isinstance(drop_ignored_tokens, bool):
+        raise TypeError(f"drop_ignored_tokens: expected True or False, got {drop_ignored_tokens!r}")
     options = _Options(
+        drop_ignored_tokens=drop_ignored_tokens,
         chunk_size=chunk_size,
         z_loss=float(z_loss),
         label_smoothing=float(label_smoothing),

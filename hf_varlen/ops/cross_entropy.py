@@ -16,9 +16,11 @@ fp32 upcast of the logits, which is what HF's ``ForCausalLMLoss`` computes. Redu
 non-ignored tokens; 0 with zero gradients when there are none, where F.cross_entropy gives NaN) and
 "none" (per token). Every reduction of a batch without label tokens is 0 with zero gradients.
 
-Algorithm. Tokens whose label is ignored are dropped first (one host sync to count them; their loss
-and gradients are exactly zero; while a CUDA graph is captured nothing is dropped, see
-``compact_rows``), then the kept tokens are processed in chunks of C rows:
+Algorithm. Every token is processed in chunks of C rows (ignored ones get exactly zero loss and
+gradients from the row step; the kept-token count stays on the device, so nothing syncs with the
+host and a CUDA graph can capture the op). With ``drop_ignored_tokens=True`` the ignored tokens are
+dropped before the matmuls instead (fewer FLOPs when many are ignored, one host sync per call to
+count them, refused inside a CUDA-graph capture):
 
     logits = h_c @ W^T (+ b)                      cuBLAS, into one reused (C, V) buffer
     row kernel: lse, loss_t, and dloss/dx written IN PLACE over the logits (fp32 math)
@@ -45,7 +47,7 @@ down by the interpreter; ``backend="auto"`` picks by device. The Triton kernel l
 
 Dispatch: ``torch.ops.hf_varlen.fused_linear_ce`` (+ ``fused_linear_ce_rows_bwd`` for "none") is an
 opaque ``custom_op`` with a fake implementation and autograd via ``register_autograd``; the chunk
-loop and its row-count sync run inside it, so torch.compile traces it without a graph break or a
+loop (and, with ``drop_ignored_tokens``, its row-count sync) runs inside it, so torch.compile traces it without a graph break or a
 Python number read from a tensor. The public function calls it only while torch.compile traces;
 eager calls keep the ``autograd.Function`` (a registered op's dispatch costs ~20 us more host time
 per call on CPU, torch 2.13). Both run the same chunk loop.
@@ -100,7 +102,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         need_dh, need_dw, need_db = ctx.needs_input_grad[:3]
         need_grad = need_dh or need_dw or need_db
         n_rows = hidden.shape[0]
-        n_valid, idx, h, y = kept_rows(hidden, labels, cfg.ignore_index)
+        n_valid, idx, h, y = kept_rows(hidden, labels, cfg.ignore_index, cfg.drop_ignored)
         ctx.cfg, ctx.idx, ctx.n_rows, ctx.n_valid = cfg, idx, n_rows, n_valid
 
         # "none" has a per-token grad_output, known only in backward: recompute there.
@@ -267,6 +269,7 @@ def fused_linear_cross_entropy(
     chunk_size: int | None = None,
     logit_scale: float = 1.0,
     backend: str = "auto",
+    drop_ignored_tokens: bool = False,
 ) -> torch.Tensor:
     """Cross-entropy of ``hidden @ weight.T (+ bias)`` against ``labels`` without the full logits.
 
@@ -287,14 +290,17 @@ def fused_linear_cross_entropy(
         logit_scale: multiplies the logits before the softcap (Cohere ``logit_scale``, Granite
             ``1 / logits_scaling``).
         backend: "auto" (Triton on CUDA or under TRITON_INTERPRET=1, else torch), "triton", "torch".
+        drop_ignored_tokens: False (default): every token goes through the matmuls, no host sync
+            (graph-safe). True: tokens labelled ``ignore_index`` are dropped first (fewer FLOPs
+            when many are ignored), at one host sync per call; refused inside a CUDA-graph capture.
 
     Returns:
         fp32 loss: a scalar for "sum"/"mean", labels-shaped for "none".
 
     Gradients for hidden, weight and bias are computed in the forward (only for inputs that require
     them) and scaled by grad_output in the backward, so the graph can be backpropagated once. Under
-    autocast the inputs are cast to the autocast dtype, as nn.Linear would be. Counting the kept
-    tokens costs one host sync per call; labels outside [0, V) give a NaN loss.
+    autocast the inputs are cast to the autocast dtype, as nn.Linear would be. Labels outside
+    [0, V) give a NaN loss.
     """
     if isinstance(hidden, torch.Tensor) and torch.is_autocast_enabled(hidden.device.type):
         dtype = torch.get_autocast_dtype(hidden.device.type)
@@ -313,6 +319,8 @@ def fused_linear_cross_entropy(
         logit_scale,
     )
     check_int("ignore_index", ignore_index, None)
+    if not isinstance(drop_ignored_tokens, bool):
+        raise TypeError(f"drop_ignored_tokens: expected True or False, got {drop_ignored_tokens!r}")
     cfg = LossConfig(
         ignore_index=ignore_index,
         reduction=reduction,
@@ -322,6 +330,7 @@ def fused_linear_cross_entropy(
         z_loss=float(z_loss),
         chunk_size=chunk_size,
         backend=_resolve_backend(backend, hidden.device),
+        drop_ignored=drop_ignored_tokens,
     )
     lead_shape = labels.shape
     h2 = hidden.reshape(-1, hidden.shape[-1])

@@ -8,8 +8,8 @@ function); this module is what both the eager autograd path and the registered o
                                      (C, V) of logits; Triton in cross_entropy_kernel.py
     linear_ce_chunks                 the chunk loop: matmuls around the row step, every gradient
                                      computed during the forward
-    kept_rows / scatter_rows         drop ignored rows before the matmuls (one host sync to count
-                                     them; none while a CUDA graph is captured: compact_rows)
+    kept_rows / scatter_rows         the rows the chunk loop runs over: all (default, no sync), or
+                                     only the kept ones (drop_ignored_tokens: one host sync)
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ class LossConfig:
     z_loss: float
     chunk_size: int | None
     backend: str  # "triton" | "torch" (resolved)
+    drop_ignored: bool = False  # drop ignored rows before the matmuls (one host sync; kept_rows)
 
 
 def ce_rows_torch(
@@ -213,26 +214,30 @@ def scatter_rows(values: torch.Tensor, idx: torch.Tensor | None, n_rows: int) ->
     return out.index_copy_(0, idx, values)
 
 
-def compact_rows(hidden: torch.Tensor) -> bool:
-    """Whether ignored rows are dropped before the matmuls: always, except while a CUDA graph is
-    captured, where counting them (a host read) is illegal; then every row goes through the
-    chunk loop (ignored ones get zero loss and gradients from the row step: more FLOPs, same
-    result, no sync)."""
-    return not (hidden.is_cuda and torch.cuda.is_current_stream_capturing())
+def capturing(hidden: torch.Tensor) -> bool:
+    """Whether a CUDA graph is being captured on hidden's device (never on CPU tensors)."""
+    return hidden.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-def kept_rows(hidden: torch.Tensor, labels: torch.Tensor, ignore_index: int):
-    """(n_valid, idx, h, y): the rows whose label is not ignored (idx None when all are kept).
+def kept_rows(hidden: torch.Tensor, labels: torch.Tensor, ignore_index: int, drop: bool):
+    """(n_valid, idx, h, y): the rows the chunk loop runs over, and the kept-token count.
 
-    Ignored tokens are dropped before the matmuls: their loss and gradients are exactly zero.
-    Counting them is the op's one host sync: the chunk loop needs the row count. Without
-    compaction (``compact_rows``) nothing is dropped and ``n_valid`` is a 0-d device tensor."""
+    drop False (the default of every entry point): every row goes through the chunk loop (ignored
+    ones get zero loss and gradients from the row step), nothing is read back to the host and
+    ``n_valid`` is a 0-d device tensor: graph-safe, no sync mid-forward. drop True: the rows whose
+    label is ignored are dropped before the matmuls (fewer FLOPs when many labels are ignored, e.g.
+    long masked prompts), which needs their count on the host: one sync per call, refused while a
+    CUDA graph is captured (a host read there is illegal). idx None when no row was dropped."""
     keep = labels != ignore_index
-    if not compact_rows(hidden):
+    if not drop:
         return keep.sum(), None, hidden, labels
-    # Host read, intended: once per loss call (not per layer), and inside the opaque custom op
-    # torch.compile sees (torch.ops.hf_varlen.fused_linear_ce), so it never breaks the graph;
-    # skipped while a CUDA graph is captured (above).
+    if capturing(hidden):
+        raise ValueError(
+            "drop_ignored_tokens=True reads the kept-token count back to the host, which a CUDA "
+            "graph capture cannot do; use drop_ignored_tokens=False (the default) for captured steps"
+        )
+    # Host read, intended (drop_ignored_tokens=True): once per loss call, inside the opaque custom
+    # op torch.compile sees (torch.ops.hf_varlen.fused_linear_ce), so it never breaks the graph.
     n_valid = int(keep.sum())
     idx = None if n_valid == hidden.shape[0] else keep.nonzero().squeeze(1)
     h = hidden if idx is None else hidden.index_select(0, idx)

@@ -21,9 +21,9 @@ from .library import qualname
 # ----------------------------------------------------------------------------------------------
 # Registered op (what torch.compile sees): opaque custom_op, gradients as outputs
 # ----------------------------------------------------------------------------------------------
-# The chunk loop is cuBLAS matmuls around a row kernel plus one host sync (the kept-row count),
-# so it stays one opaque op: Inductor has nothing to fuse across it, and the sync happens inside
-# the op (no graph break, nothing read into Python while tracing). The forward returns the loss,
+# The chunk loop is cuBLAS matmuls around a row kernel (plus, with drop_ignored, one host sync for
+# the kept-row count), so it stays one opaque op: Inductor has nothing to fuse across it, and a
+# sync happens inside the op (no graph break, nothing read into Python while tracing). The forward returns the loss,
 # the gradients of the unscaled loss and the kept-token count as a tensor; the backward scales
 # them by grad_output (divided by that count for "mean"), as the autograd.Function does. Unneeded
 # gradients are empty (0,) tensors. "none" computes no gradient in the forward; its backward is
@@ -39,9 +39,18 @@ def cfg_of(
     z_loss: float,
     chunk_size: int | None,
     backend: str,
+    drop_ignored: bool,
 ) -> LossConfig:
     return LossConfig(
-        ignore_index, reduction, softcap, logit_scale, label_smoothing, z_loss, chunk_size, backend
+        ignore_index,
+        reduction,
+        softcap,
+        logit_scale,
+        label_smoothing,
+        z_loss,
+        chunk_size,
+        backend,
+        drop_ignored,
     )
 
 
@@ -59,15 +68,17 @@ def _fused_linear_ce_op(
     z_loss: float,
     chunk_size: int | None,
     backend: str,
+    drop_ignored: bool,
     need_dh: bool,
     need_dw: bool,
     need_db: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     cfg = cfg_of(
-        ignore_index, reduction, softcap, logit_scale, label_smoothing, z_loss, chunk_size, backend
-    )
+        ignore_index, reduction, softcap, logit_scale, label_smoothing, z_loss, chunk_size,
+        backend, drop_ignored,
+    )  # fmt: skip
     n_rows = hidden.shape[0]
-    n_valid, idx, h, y = kept_rows(hidden, labels, ignore_index)
+    n_valid, idx, h, y = kept_rows(hidden, labels, ignore_index, drop_ignored)
     defer = reduction == "none"
     loss, dh, dw, db = linear_ce_chunks(
         h,
@@ -97,7 +108,7 @@ def _fused_linear_ce_op(
 @_fused_linear_ce_op.register_fake
 def _fused_linear_ce_fake(
     hidden, weight, bias, labels, ignore_index, reduction, softcap, logit_scale,
-    label_smoothing, z_loss, chunk_size, backend, need_dh, need_dw, need_db,
+    label_smoothing, z_loss, chunk_size, backend, drop_ignored, need_dh, need_dw, need_db,
 ):  # fmt: skip
     defer = reduction == "none"
     fp32 = torch.float32
@@ -122,15 +133,17 @@ def _fused_linear_ce_rows_bwd_op(
     z_loss: float,
     chunk_size: int | None,
     backend: str,
+    drop_ignored: bool,
     need_dh: bool,
     need_dw: bool,
     need_db: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of sum(loss_t * grad_rows_t) (reduction "none"); unneeded ones are (0,)."""
     cfg = cfg_of(
-        ignore_index, "none", softcap, logit_scale, label_smoothing, z_loss, chunk_size, backend
-    )
-    _, idx, h, y = kept_rows(hidden, labels, ignore_index)
+        ignore_index, "none", softcap, logit_scale, label_smoothing, z_loss, chunk_size, backend,
+        drop_ignored,
+    )  # fmt: skip
+    _, idx, h, y = kept_rows(hidden, labels, ignore_index, drop_ignored)
     scale = grad_rows.float() if idx is None else grad_rows.float().index_select(0, idx)
     _, dh, dw, db = linear_ce_chunks(
         h, weight, bias, y, cfg, need_dh=need_dh, need_dw=need_dw, need_db=need_db,
@@ -147,7 +160,7 @@ def _fused_linear_ce_rows_bwd_op(
 @_fused_linear_ce_rows_bwd_op.register_fake
 def _fused_linear_ce_rows_bwd_fake(
     hidden, weight, bias, labels, grad_rows, ignore_index, softcap, logit_scale,
-    label_smoothing, z_loss, chunk_size, backend, need_dh, need_dw, need_db,
+    label_smoothing, z_loss, chunk_size, backend, drop_ignored, need_dh, need_dw, need_db,
 ):  # fmt: skip
     return (
         hidden.new_empty(hidden.shape if need_dh else (0,)),
@@ -186,7 +199,7 @@ def _ce_op_backward(ctx, grad_loss, *_unused):
             factor = factor / n_valid.clamp(min=1)
         grads = tuple(g * factor for g in (dh, dw, db))
     dh, dw, db = (g if n else None for g, n in zip(grads, need))
-    return (dh, dw, db) + (None,) * 12
+    return (dh, dw, db) + (None,) * 13
 
 
 _fused_linear_ce_op.register_autograd(_ce_op_backward, setup_context=_ce_setup_context)
@@ -202,5 +215,6 @@ def fused_linear_ce_traced(hidden, weight, bias, labels, cfg: LossConfig) -> tor
     )
     return _fused_linear_ce_op(
         hidden, weight, bias, labels, cfg.ignore_index, cfg.reduction, cfg.softcap,
-        cfg.logit_scale, cfg.label_smoothing, cfg.z_loss, cfg.chunk_size, cfg.backend, *needs,
+        cfg.logit_scale, cfg.label_smoothing, cfg.z_loss, cfg.chunk_size, cfg.backend,
+        cfg.drop_ignored, *needs,
     )[0]  # fmt: skip
