@@ -20,8 +20,12 @@ Modes (``--modes``, comma-separated):
     liger_packed         minimal_varlen + Liger (rope, swiglu, rmsnorm, fused linear CE), if installed
     hf_varlen-compile    hf_varlen under ``hf-varlen train --compile`` (Inductor, fullgraph, every
                          pack marked dynamic: hf_varlen.training.compiling)
-    hf_varlen-graphs     hf_varlen-compile with ``--compile-mode reduce-overhead`` (CUDA graphs via
-                         Inductor's cudagraph trees) and ``--static-shapes`` (one graph per bucket)
+    hf_varlen-graphs     hf_varlen with ``--static-shapes --cuda-graphs on``: forward + backward per
+                         batch shape and the fused AdamW update replayed from CUDA graphs
+                         (hf_varlen.training.graphs)
+    hf_varlen-compile-graphs  the same on the compiled model (``--compile``)
+    hf_varlen-reduce-overhead  hf_varlen-compile with ``--compile-mode reduce-overhead``: Inductor's
+                         cudagraph trees (forward + backward; the update eager), ``--static-shapes``
     minimal_varlen-compile  minimal_varlen under plain ``torch.compile(model)`` (default everything:
                          no fullgraph, automatic dynamic shapes), applied to the training model
                          after the trainer's eager trial forward: what a user would write, the
@@ -107,7 +111,25 @@ MODES: dict[str, dict] = {
     "minimal_varlen-compile": dict(
         attn_implementation=MINIMAL_ATTN, fused_kernels="off", fused_loss="off", plain_compile=True
     ),
+    # The captured step (hf-varlen train --cuda-graphs on): forward + backward per batch shape
+    # and the fused AdamW update replayed from CUDA graphs; eager kernels, or compiled ones.
     "hf_varlen-graphs": dict(
+        attn_backend="auto",
+        fused_kernels="on",
+        fused_loss="on",
+        static_shapes=True,
+        cuda_graphs="on",
+    ),
+    "hf_varlen-compile-graphs": dict(
+        attn_backend="auto",
+        fused_kernels="on",
+        fused_loss="on",
+        static_shapes=True,
+        cuda_graphs="on",
+        compile=True,
+    ),
+    # The other mechanism: Inductor's cudagraph trees (forward + backward; the update eager).
+    "hf_varlen-reduce-overhead": dict(
         attn_backend="auto",
         fused_kernels="on",
         fused_loss="on",
@@ -193,6 +215,8 @@ def train_config(run: dict, device: str):
     spec = {k: v for k, v in MODES[run["mode"]].items() if k not in BENCH_ONLY}
     if device != "cuda" and spec.get("fused_kernels") == "on":
         spec["fused_kernels"] = "auto"  # CPU smoke runs: the layer kernels are GPU kernels
+    if device != "cuda" and spec.get("cuda_graphs") == "on":
+        spec["cuda_graphs"] = "auto"  # CPU smoke runs: graphs need CUDA (auto says so)
     overrides = f"num_hidden_layers={run['layers']}" if run.get("layers") else None
     return TrainConfig(
         model=run["model"],
@@ -270,6 +294,7 @@ def run_one(run: dict) -> dict:
         "elapsed": [r["elapsed"] for r in records],
         "kernels": trainer.kernels,
         "params": trainer.params,
+        **({"cuda_graphs": graphs["text"]} if (graphs := trainer.graphs_summary()) else {}),
         **compile_stats(run, records, steady),
         **busy,
     }

@@ -15,7 +15,8 @@
 #   bash scripts/gpu_evidence.sh compile   OUT_DIR   # bench_e2e: compiled vs eager at one batch size
 #                                  (HF_VARLEN_BATCH_SIZES, default 32; HF_VARLEN_COMPILE_MODES; a
 #                                   1B-shape compile cell takes 170-215 s on the H200)
-#   bash scripts/gpu_evidence.sh graphs    OUT_DIR   # bench_e2e: --compile-mode reduce-overhead, B32/8
+#   bash scripts/gpu_evidence.sh graphs    OUT_DIR   # bench_e2e: --cuda-graphs on (eager / compiled), B32/8
+#                                  (HF_VARLEN_GRAPH_MODES, HF_VARLEN_BATCH_SIZES)
 #   bash scripts/gpu_evidence.sh coverage  OUT_DIR   # bench_coverage_check: the eager offsets check
 #   bash scripts/gpu_evidence.sh lora      OUT_DIR   # bench_e2e: LoRA r=16 vs full, B8 and B32
 #                                                     (needs the peft wheel among the carried ones)
@@ -146,8 +147,8 @@ compile)  # one batch size per call: the four B32 cells took 434 s (two 1B-shape
 graphs)
     step bench_e2e_graphs 560 python3 scripts/bench_e2e.py --out "$out/graphs" \
         --plots-dir "$out/graphs" --tokenizer "$data/qwen2" --alpaca "$data/alpaca_5000.json" \
-        --lima "$data/lima.json" --modes hf_varlen,hf_varlen-compile,hf_varlen-graphs \
-        --batch-sizes 32,8 --steps 15 --warmup 5 --timeout 240
+        --lima "$data/lima.json" --modes "${HF_VARLEN_GRAPH_MODES:-minimal_varlen,hf_varlen,hf_varlen-graphs,hf_varlen-compile-graphs}" \
+        --batch-sizes "${HF_VARLEN_BATCH_SIZES:-32,8}" --steps 15 --warmup 5 --timeout 240
     ;;
 lora)
     step bench_e2e_lora 560 python3 scripts/bench_e2e.py --out "$out/lora" \

@@ -187,8 +187,14 @@ def test_compile_modes_configuration():
     args = bench_e2e.parse_args(["--modes", bench_e2e.COMPILE_MODES])
     assert args.modes == bench_e2e.COMPILE_MODES.split(",") and args.compile_backend == "inductor"
     graphs = bench_e2e.train_config({**run, "mode": "hf_varlen-graphs"}, "cuda")
-    assert graphs.compile and graphs.compile_mode == "reduce-overhead" and graphs.static_shapes
-    assert cfg.compile_mode == "default" and not cfg.static_shapes
+    assert graphs.cuda_graphs == "on" and graphs.static_shapes and not graphs.compile
+    assert bench_e2e.train_config({**run, "mode": "hf_varlen-graphs"}, "cpu").cuda_graphs == "auto"
+    both = bench_e2e.train_config({**run, "mode": "hf_varlen-compile-graphs"}, "cuda")
+    assert both.cuda_graphs == "on" and both.compile and both.compile_mode == "default"
+    trees = bench_e2e.train_config({**run, "mode": "hf_varlen-reduce-overhead"}, "cuda")
+    assert trees.compile and trees.compile_mode == "reduce-overhead" and trees.static_shapes
+    assert trees.cuda_graphs == "off"
+    assert cfg.compile_mode == "default" and not cfg.static_shapes and cfg.cuda_graphs == "off"
 
 
 @pytest.mark.slow

@@ -10,8 +10,9 @@ pieces (``.train_step``, ``.evaluate``, ``.run()``); every CLI flag is a ``Train
 
 Modules: ``config`` (options), ``builtin`` (default tokenizer, data, model shapes), ``data``
 (loading, formats, tokenization, batches), ``model`` (tokenizer/model construction and checks),
-``loop`` (the training loop), ``checkpoint`` (save / exact resume / export), ``metrics`` (progress,
-JSONL, summary, MFU, plots).
+``loop`` (the training loop), ``graphs`` (the CUDA-graph-captured step, ``GraphedStep``, also for
+your own loop), ``checkpoint`` (save / exact resume / export), ``metrics`` (progress, JSONL,
+summary, MFU, plots).
 """
 
 from __future__ import annotations
@@ -21,11 +22,16 @@ from typing import Any
 
 from .config import TrainConfig, parse_args
 
-__all__ = ["PackedTrainer", "TrainConfig", "parse_args", "plot_runs", "run"]
+__all__ = ["GraphedStep", "PackedTrainer", "TrainConfig", "parse_args", "plot_runs", "run"]
 
 # The loop pulls in torch, accelerate and transformers: loaded on first use, so that parsing the
 # command line (``hf-varlen train --help``) stays quick.
-_LAZY = {"PackedTrainer": "loop", "run": "loop", "plot_runs": "metrics"}
+_LAZY = {
+    "GraphedStep": "graphs",
+    "PackedTrainer": "loop",
+    "run": "loop",
+    "plot_runs": "metrics",
+}
 
 
 def __getattr__(name: str) -> Any:

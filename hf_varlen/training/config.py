@@ -158,6 +158,14 @@ class TrainConfig:
         "cudagraph trees, one graph per batch shape: pair it with --static-shapes); "
         "max-autotune; max-autotune-no-cudagraphs; lite",
     )
+    cuda_graphs: str = _opt(
+        "off",
+        "capture the training step in CUDA graphs (one per batch shape for forward + backward, "
+        "one for clip + fused AdamW) and replay it: on (raises when the run cannot: it needs "
+        "CUDA, --static-shapes, one process, adamw, no --gradient-checkpointing, no bf16-mixed); "
+        "auto (on where possible, else off with the reason in the summary); off",
+        choices=TOGGLES,
+    )
     # LoRA.
     lora: bool = _opt(False, "train LoRA adapters (needs `peft`)")
     lora_r: int = _opt(16, "LoRA rank")
@@ -284,6 +292,7 @@ class TrainConfig:
             ("optim", OPTIMIZERS),
             ("fused_kernels", TOGGLES),
             ("fused_loss", TOGGLES),
+            ("cuda_graphs", TOGGLES),
             ("on_nonfinite", NONFINITE),
             ("report_to", REPORT_TO),
         ):

@@ -53,6 +53,7 @@ from .data import (
     split_eval,
     tokenize,
 )
+from .graphs import GraphedStep, resolve_graphs
 from .metrics import RunLogger, environment, format_summary, peak_flops, plot_runs, summarize
 from .model import (
     apply_kernels,
@@ -197,6 +198,10 @@ class PackedTrainer:
         )
         self.device = self.acc.device
         self.precision = "bf16-mixed" if mixed else resolve_precision(cfg, self.device)
+        # --cuda-graphs on that cannot be honoured raises here, before anything is loaded.
+        graphs_on, self.graphs_note = resolve_graphs(
+            cfg, self.device, self.acc.num_processes, self.precision
+        )
         set_seed(cfg.seed)
         # The checkpoint and the output folder are checked before anything is loaded.
         self.resumed_from = ckpt.resolve_resume(
@@ -294,6 +299,18 @@ class PackedTrainer:
                     f"--resume {self.resumed_from!r}: loading failed: {exc}"
                 ) from exc
             self._log(f"resumed from {self.resumed_from} at step {self.state.step}")
+        # Built after the resume: it turns the restored learning rates into device tensors.
+        self.graphed = (
+            GraphedStep(
+                self.model,
+                self.optimizer,
+                self._graph_loss,
+                device=self.device,
+                max_grad_norm=cfg.max_grad_norm or math.inf,
+            )
+            if graphs_on
+            else None
+        )
 
     def _prepare_output_dir(self) -> None:
         """Refuse to mix two runs in one --output-dir; --overwrite-output-dir removes the old one."""
@@ -380,6 +397,11 @@ class PackedTrainer:
             self.acc.backward(loss * self.acc.num_processes)
         return loss.detach()
 
+    def _graph_loss(self, model, inputs: dict[str, Any], n_items: torch.Tensor) -> torch.Tensor:
+        """One micro-batch's loss as the captured step computes it (--cuda-graphs)."""
+        with self.compiler.guard():
+            return _step_loss(model, self.compiler.mark(inputs), n_items, self.loss_kwargs)
+
     def train_step(self, group: list[list[int]]) -> dict[str, Any]:
         """One optimizer step over this rank's micro-batches ``group``; returns global counts."""
         t0 = time.perf_counter()
@@ -390,19 +412,27 @@ class PackedTrainer:
             n_items = self.acc.reduce(torch.tensor(local, device=self.device), reduction="sum")
         else:
             n_items = local
-        loss = torch.zeros((), device=self.device)
-        for i, mb in enumerate(batches):
-            mb_loss = self._micro_step(mb, n_items, sync=i == len(batches) - 1)
-            if not mb.dummy:  # a dummy adds exactly zero (its 0/0 may be NaN when N == 0)
-                loss += mb_loss
-        max_norm = self.cfg.max_grad_norm or math.inf
-        grad_norm = self.acc.clip_grad_norm_(self.model.parameters(), max_norm)
-        lr = self.scheduler.get_last_lr()[0]
+        lr = float(self.scheduler.get_last_lr()[0])
+        if self.graphed is not None:  # forward, backward and the update replayed, or skipped
+            for mb in batches:
+                if self.bucket_counts:
+                    self.bucket_counts[mb.tensor_tokens] += 1
+            out = self.graphed.step([mb.inputs for mb in batches], n_items)
+            loss_value, grad_norm = out["loss"], out["grad_norm"]
+        else:
+            loss = torch.zeros((), device=self.device)
+            for i, mb in enumerate(batches):
+                mb_loss = self._micro_step(mb, n_items, sync=i == len(batches) - 1)
+                if not mb.dummy:  # a dummy adds exactly zero (its 0/0 may be NaN when N == 0)
+                    loss += mb_loss
+            max_norm = self.cfg.max_grad_norm or math.inf
+            grad_norm = self.acc.clip_grad_norm_(self.model.parameters(), max_norm)
+            loss_value = float(loss)
         real = [b for b in batches if not b.dummy]
         # Reduced before the update, so every rank takes the same decision on a non-finite step.
         totals = self._reduce(
             [
-                float(loss),
+                loss_value,
                 sum(b.real_tokens for b in real),
                 sum(b.tensor_tokens for b in batches),
                 sum(b.label_tokens for b in real),
@@ -414,14 +444,18 @@ class PackedTrainer:
         gn = float(grad_norm) if grad_norm is not None else math.nan
         check_pending_offsets()  # deferred offset checks: free after the reads above
         finite = math.isfinite(totals[0]) and (grad_norm is None or math.isfinite(gn))
-        if finite:
+        if self.graphed is not None:  # the captured update already applied or skipped it
+            if not finite and self.cfg.on_nonfinite == "stop":
+                raise NonFiniteError(_nonfinite_message(self.state.step + 1, totals[0], gn, lr))
+        elif finite:
             self.optimizer.step()
         elif self.cfg.on_nonfinite == "stop":
             self.optimizer.zero_grad(set_to_none=True)
             raise NonFiniteError(_nonfinite_message(self.state.step + 1, totals[0], gn, lr))
         # A skipped step still advances the schedule: steps count data consumed, not updates.
         self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.graphed is None:  # captured: zeroed in the update graph (static buffers)
+            self.optimizer.zero_grad(set_to_none=True)
         return {
             "loss": totals[0],
             "lr": lr,
@@ -575,6 +609,15 @@ class PackedTrainer:
             ),
         }
 
+    def graphs_summary(self) -> dict[str, Any] | None:
+        """--cuda-graphs in the summary: what was captured, or why auto left graphs off."""
+        if self.cfg.cuda_graphs == "off":
+            return None
+        if self.graphed is None:
+            return {"on": False, "text": self.graphs_note}
+        info = self.graphed.summary()
+        return {"on": True, **info, "text": f"{self.graphs_note}: {info['text']}"}
+
     def _finish(self, run_log: RunLogger, evals: list[dict[str, Any]]) -> dict[str, Any]:
         cfg = self.cfg
         source = (
@@ -614,6 +657,7 @@ class PackedTrainer:
             skipped_records=self.skipped_records,
             env=environment(self.device),
             compile=self.compiler.summary(run_log.records),
+            cuda_graphs=self.graphs_summary(),
             static_shapes=self._static_summary(run_log.records),
         )
         if self.acc.is_main_process:

@@ -301,6 +301,8 @@ def format_summary(s: dict[str, Any]) -> str:
         lines.append(f"  shapes      {s['static_shapes']['text']}")
     if s.get("compile"):
         lines.append(f"  compile     {s['compile']['text']}")
+    if s.get("cuda_graphs"):
+        lines.append(f"  cuda graphs {s['cuda_graphs']['text']}")
     if s.get("output_dir"):
         lines.append(f"  output      {s['output_dir']}")
     return "\n".join(lines)

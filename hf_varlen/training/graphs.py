@@ -1,0 +1,287 @@
+"""``hf-varlen train --cuda-graphs``: the training step captured in CUDA graphs and replayed.
+
+With ``--static-shapes`` every packed micro-batch has one of a few shapes (a rung of the bucket
+ladder for T, ``max_documents + 2`` offsets). Per shape, one graph holds the micro-batch's forward
+and backward; one more graph holds the update. Replaying them costs the host a few copies and
+launches per step instead of thousands of kernel launches and the Python around them.
+
+What each graph does (all graphs share one memory pool: they never run at the same time):
+
+- micro-batch graph (one per shape, captured the first time the shape is seen, after a warm-up
+  of ``WARMUP`` eager forward + backward passes on a side stream that are then undone):
+  ``loss = model(**static_inputs, num_items_in_batch=n_items).loss``, ``loss.backward()`` into
+  the static ``.grad`` buffers (gradient accumulation adds into them), ``loss_sum += loss``.
+- update graph (captured once, on the first step, after one eager optimizer step that changes
+  nothing — its ``found_inf`` is set — and only allocates the optimizer state): the gradient-norm
+  clip, the non-finite test of loss and norm, the fused AdamW step (``capturable``; a
+  non-finite step is skipped on the device through the optimizer's ``found_inf``, exactly as the
+  eager step skips it), the loss and norm copied out for the log, gradients and loss sum zeroed.
+
+Host per step: each micro-batch's tensors copied into its shape's static buffers, its offsets
+checked on the host (the CPU tensors: no sync), the replays, ``scheduler.step()`` (which fills the
+learning-rate tensors the update graph reads), then one read-back of (loss, grad norm, skipped)
+for the log and the non-finite policy, as the eager step reads them.
+
+The ints of a batch cannot change between replays, so ``max_length_q/k`` are given as the shape's
+token count T (an upper bound of every document in it, which FlashAttention semantics allow and
+our attention never sizes anything by); ``num_items_in_batch`` is a 0-d tensor filled per step.
+
+Requirements (``graph_blockers``; ``--cuda-graphs on`` raises with them, ``auto`` turns graphs
+off and says why): CUDA, ``--static-shapes``, one process, AdamW, no gradient checkpointing (its
+recompute saves and restores the RNG state on the host), not ``--padded``, not ``bf16-mixed``
+(autocast's weight-cast cache is not capture-safe), not ``--compile-mode reduce-overhead`` (which
+captures with Inductor's own graph trees).
+
+Shape legend: T the token count of a bucket, D + 2 the fixed length of ``cu_seq_lens``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..coverage import check_now
+from .config import TrainConfig
+
+WARMUP = 2  # eager passes before a capture: lazy inits, cuBLAS workspaces, autograd streams
+_INT_KEYS = ("max_length_q", "max_length_k")
+
+
+def graph_blockers(
+    cfg: TrainConfig, device: torch.device, processes: int, precision: str
+) -> list[str]:
+    """Why this run cannot capture its step in CUDA graphs (empty: it can); ``precision`` is the
+    run's resolved one."""
+    reasons = []
+    if device.type != "cuda":
+        reasons.append(f"CUDA graphs need a CUDA device (this run uses {device.type})")
+    if not cfg.static_shapes:
+        reasons.append("the batches must have static shapes: add --static-shapes")
+    if cfg.padded:
+        reasons.append("--padded batches are not bucketed; graphs capture packed batches")
+    if processes > 1:
+        reasons.append(f"one process only (this run has {processes}): DDP's all-reduce is eager")
+    if cfg.optim != "adamw":
+        reasons.append(f"--optim {cfg.optim}: the captured update is fused AdamW")
+    if cfg.gradient_checkpointing:
+        reasons.append("--gradient-checkpointing restores the RNG state on the host in backward")
+    if precision == "bf16-mixed":
+        reasons.append("--precision bf16-mixed: autocast's weight-cast cache is not capture-safe")
+    if cfg.compile and cfg.compile_mode == "reduce-overhead":
+        reasons.append("--compile-mode reduce-overhead captures with Inductor's own CUDA graphs")
+    return reasons
+
+
+def resolve_graphs(
+    cfg: TrainConfig, device: torch.device, processes: int, precision: str
+) -> tuple[bool, str]:
+    """(on, why) for ``--cuda-graphs``: ``on`` raises when it cannot be honoured."""
+    if cfg.cuda_graphs == "off":
+        return False, "off (--cuda-graphs off)"
+    blockers = graph_blockers(cfg, device, processes, precision)
+    if not blockers:
+        return True, f"on (--cuda-graphs {cfg.cuda_graphs})"
+    if cfg.cuda_graphs == "on":
+        raise ValueError("--cuda-graphs on cannot be honoured: " + "; ".join(blockers))
+    return False, "off (auto: " + "; ".join(blockers) + ")"
+
+
+def _capture_cuda(fn: Callable[[], None], pool) -> Callable[[], None]:
+    """Capture ``fn`` in a CUDA graph (in ``pool``); returns its replay."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        fn()
+    return graph.replay
+
+
+class GraphedStep:
+    """The captured training step of one run (see the module docstring).
+
+    ``model`` is the training model (accelerate's prepared one), ``optimizer`` a torch AdamW or
+    accelerate's wrapper around one (its ``step`` is what the LR scheduler watches), ``loss_fn(model, inputs, n_items) -> loss`` the eager loss of
+    one micro-batch, ``max_grad_norm`` the clip (inf: none). ``capture`` captures a function and
+    returns its replay (CUDA by default)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: Callable[[torch.nn.Module, dict[str, Any], torch.Tensor], torch.Tensor],
+        *,
+        device: torch.device,
+        max_grad_norm: float,
+        capture: Callable[[Callable[[], None], Any], Callable[[], None]] | None = None,
+    ):
+        inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
+        if not isinstance(inner, torch.optim.AdamW):
+            raise TypeError(f"optimizer: expected torch.optim.AdamW, got {type(inner).__name__}")
+        self.model, self.optimizer, self.inner, self.loss_fn = model, optimizer, inner, loss_fn
+        self.device, self.max_grad_norm = device, max_grad_norm
+        self._capture = capture or _capture_cuda
+        self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.graphs: dict[tuple, _MicroGraph] = {}
+        self.update = None
+        self.capture_s = 0.0  # warm-ups + captures, host seconds
+        self.graph_bytes = 0  # CUDA memory the captures reserved (0 on other devices)
+        f32 = dict(dtype=torch.float32, device=device)
+        self.n_items = torch.ones((), **f32)
+        self.loss_sum = torch.zeros((), **f32)
+        self.out = torch.zeros(3, **f32)  # loss, grad norm, skipped (1.0) of the last update
+
+    # -- setup ---------------------------------------------------------------------------------
+
+    def _prepare_optimizer(self) -> None:
+        """Learning rates as device tensors (the scheduler fills them in place; a float would be
+        baked into the graph) and capturable fused AdamW; its state allocated by one eager step
+        with found_inf set, which changes no parameter and no step count."""
+        opt = self.inner
+        for group in opt.param_groups:
+            lr = group["lr"]
+            group["lr"] = torch.tensor(float(lr), dtype=torch.float32, device=self.device)
+            group["fused"] = True
+            group["foreach"] = False
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        opt.found_inf = torch.ones((), dtype=torch.float32, device=self.device)
+        self.optimizer.step()  # allocates exp_avg / exp_avg_sq / step; the update is skipped
+        for group in opt.param_groups:  # after the eager step (capturable warns outside a capture)
+            group["capturable"] = True
+        for p in self.params:
+            p.grad.zero_()
+
+    def _update_body(self) -> None:
+        grads = [p.grad for p in self.params]
+        norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm, foreach=True)
+        bad = ~(torch.isfinite(norm) & torch.isfinite(self.loss_sum))
+        self.inner.found_inf.copy_(bad.float())
+        self.optimizer.step()
+        self.out[0].copy_(self.loss_sum)
+        self.out[1].copy_(norm)
+        self.out[2].copy_(bad.float())
+        for g in grads:
+            g.zero_()
+        self.loss_sum.zero_()
+
+    def _ensure_update(self) -> None:
+        if self.update is not None:
+            return
+        t0, reserved = time.perf_counter(), self._reserved()
+        self._prepare_optimizer()
+        self.update = self._capture(self._update_body, self.pool)
+        self.capture_s += time.perf_counter() - t0
+        self.graph_bytes += self._reserved() - reserved
+
+    def _reserved(self) -> int:
+        return torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
+
+    # -- per step ------------------------------------------------------------------------------
+
+    def step(self, batches: list[dict[str, Any]], n_items: int) -> dict[str, float]:
+        """One optimizer step over the micro-batches ``batches`` (CPU tensors, as collated), with
+        ``n_items`` the label tokens of the whole step. Returns loss, grad_norm and skipped."""
+        self._ensure_update()
+        self.n_items.fill_(float(n_items))
+        for inputs in batches:
+            micro = self._graph_for(inputs)
+            micro.load(inputs)
+            micro.replay()
+        self.update()
+        loss, norm, skipped = self.out.tolist()  # the step's one read-back, after the update
+        return {"loss": loss, "grad_norm": norm, "skipped": skipped > 0.5}
+
+    def _graph_for(self, inputs: dict[str, Any]) -> _MicroGraph:
+        key = _shape_key(inputs)
+        micro = self.graphs.get(key)
+        if micro is None:
+            t0, reserved = time.perf_counter(), self._reserved()
+            micro = _MicroGraph(self, inputs)
+            self.graphs[key] = micro
+            self.capture_s += time.perf_counter() - t0
+            self.graph_bytes += self._reserved() - reserved
+        return micro
+
+    def summary(self) -> dict[str, Any]:
+        """Graphs captured, the token counts of their shapes, warm-up + capture seconds, and the
+        CUDA memory the captures reserved."""
+        shapes = sorted(m.tokens for m in self.graphs.values())
+        out = {
+            "graphs": len(self.graphs) + (self.update is not None),
+            "shapes": shapes,
+            "capture_s": self.capture_s,
+            "graph_gib": self.graph_bytes / 2**30,
+        }
+        out["text"] = (
+            f"{out['graphs']} graphs (update + {len(shapes)} batch shapes, T = "
+            f"{', '.join(map(str, shapes)) or '-'}), warm-up + capture {self.capture_s:.1f} s, "
+            f"{out['graph_gib']:.2f} GiB reserved by the captures"
+        )
+        return out
+
+
+def _shape_key(inputs: dict[str, Any]) -> tuple:
+    return tuple(
+        sorted(
+            (k, tuple(v.shape), v.dtype) for k, v in inputs.items() if isinstance(v, torch.Tensor)
+        )
+    )
+
+
+class _MicroGraph:
+    """Static input buffers of one batch shape and the replay of its forward + backward."""
+
+    def __init__(self, owner: GraphedStep, inputs: dict[str, Any]):
+        self.owner = owner
+        tensors = {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)}
+        ids = tensors.get("input_ids")
+        if ids is None or ids.dim() != 2 or ids.shape[0] != 1:
+            raise ValueError(
+                "--cuda-graphs: expected packed [1, T] micro-batches with input_ids, got "
+                f"{ {k: tuple(v.shape) for k, v in tensors.items()} }"
+            )
+        self.tokens = int(ids.shape[1])
+        others = sorted(set(inputs) - set(tensors) - set(_INT_KEYS))
+        if others:
+            raise ValueError(f"--cuda-graphs: batch keys {others} are neither tensors nor lengths")
+        self.static = {k: v.to(owner.device, copy=True) for k, v in tensors.items()}
+        # The ints are part of the graph: the bucket's token count bounds every document in it.
+        self.ints = {k: self.tokens for k in _INT_KEYS if k in inputs}
+        self._check(inputs)
+        dev = owner.device
+        side = torch.cuda.Stream(dev) if dev.type == "cuda" else None
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            for _ in range(WARMUP):
+                self._body()
+        if side is not None:
+            torch.cuda.current_stream(dev).wait_stream(side)
+        # The warm-ups ran for real: undo their gradients and loss before capturing.
+        for p in owner.params:
+            if p.grad is not None:
+                p.grad.zero_()
+        owner.loss_sum.zero_()
+        self.replay = owner._capture(self._body, owner.pool)
+
+    def _body(self) -> None:
+        owner = self.owner
+        loss = owner.loss_fn(owner.model, {**self.static, **self.ints}, owner.n_items)
+        loss.backward()
+        owner.loss_sum.add_(loss.detach())
+
+    def _check(self, inputs: dict[str, Any]) -> None:
+        """The offsets check of the eager path, on the collated CPU tensors (no device sync)."""
+        cu_q, cu_k = inputs.get("cu_seq_lens_q"), inputs.get("cu_seq_lens_k")
+        if isinstance(cu_q, torch.Tensor) and isinstance(cu_k, torch.Tensor):
+            check_now(cu_q.cpu(), cu_k.cpu(), self.tokens, self.tokens, self.tokens, self.tokens)
+
+    def load(self, inputs: dict[str, Any]) -> None:
+        """Copy a new batch of this shape into the static buffers (asynchronous H2D)."""
+        self._check(inputs)
+        for k, buf in self.static.items():
+            buf.copy_(inputs[k], non_blocking=True)
