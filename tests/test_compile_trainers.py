@@ -20,6 +20,7 @@ import torch._dynamo
 # transformers before hf_varlen: `import hf_varlen` then `import trl` leaves varlen_packed
 # unregistered (trl's find_spec('transformers') consumes hf_varlen's one-shot import hook; reported)
 import transformers  # noqa: F401
+from tiny_runs import tiny_train_config
 from torch._dynamo.utils import counters
 
 import hf_varlen  # noqa: F401  (registers varlen_packed with transformers)
@@ -30,16 +31,7 @@ from hf_varlen.training.config import parse_args
 
 
 def _tiny(tmp_path, name, **overrides) -> TrainConfig:
-    base = dict(
-        output_dir=str(tmp_path / name),
-        builtin_examples=64,
-        max_length=128,
-        tokens_per_batch=384,
-        max_steps=6,
-        progress=False,
-        save_final=False,
-    )
-    return TrainConfig(**{**base, **overrides})
+    return tiny_train_config(tmp_path, name, **{"max_steps": 6, **overrides})
 
 
 def _fresh():

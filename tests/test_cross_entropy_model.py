@@ -232,30 +232,23 @@ def test_peft_lora_on_lm_head():
         dropout(input_ids=ids, labels=labels)
 
 
-def test_head_lookup_never_imports_peft_inside_the_compiled_forward(monkeypatch):
-    """The head's weight is looked up inside the compiled forward: there an import is a graph
-    break, and a peft that fails to import (peft 0.17 against transformers 5.22 on the H200) an
-    Unsupported error. A plain head must compile fullgraph with peft unimportable."""
+@pytest.mark.parametrize("head", ["linear-peft-unimportable", "peft-lora"])
+def test_head_lookup_compiles_fullgraph(monkeypatch, head):
+    """The head's weight is looked up inside the compiled forward, where an import is a graph
+    break and a peft that fails to import (peft 0.17 against transformers 5.22 on the H200) an
+    Unsupported error: a plain head compiles fullgraph with peft unimportable, a LoRA head too."""
     import sys
 
-    monkeypatch.setitem(sys.modules, "peft", None)  # `import peft` raises ImportError
-    monkeypatch.setitem(sys.modules, "peft.tuners.lora", None)
     ids, labels = _batch()
-    model = _model()
-    install_fused_cross_entropy(model, backend="torch")
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend="eager", fullgraph=True)
-    torch.testing.assert_close(
-        compiled(input_ids=ids, labels=labels).loss, model(input_ids=ids, labels=labels).loss
-    )
-
-
-def test_peft_lora_head_compiles_fullgraph():
-    peft = pytest.importorskip("peft")
-    ids, labels = _batch()
-    model = peft.get_peft_model(
-        _model(), peft.LoraConfig(r=4, lora_dropout=0.0, target_modules=["lm_head"])
-    )
+    if head == "peft-lora":
+        peft = pytest.importorskip("peft")
+        model = peft.get_peft_model(
+            _model(), peft.LoraConfig(r=4, lora_dropout=0.0, target_modules=["lm_head"])
+        )
+    else:
+        monkeypatch.setitem(sys.modules, "peft", None)  # `import peft` raises ImportError
+        monkeypatch.setitem(sys.modules, "peft.tuners.lora", None)
+        model = _model()
     install_fused_cross_entropy(model, backend="torch")
     model.train()
     torch._dynamo.reset()

@@ -11,26 +11,16 @@ from __future__ import annotations
 import pytest
 import torch
 import torch._dynamo
+from tiny_runs import tiny_train_config
 from torch._dynamo.utils import counters
 
 import hf_varlen
 from hf_varlen.testing import assert_numerics
-from hf_varlen.training import PackedTrainer, TrainConfig
+from hf_varlen.training import PackedTrainer
 from hf_varlen.training.config import parse_args
 from hf_varlen.training.metrics import read_log
 
-
-def _tiny(tmp_path, name, **overrides) -> TrainConfig:
-    base = dict(
-        output_dir=str(tmp_path / name),
-        builtin_examples=64,
-        max_length=128,
-        tokens_per_batch=384,
-        max_steps=5,
-        progress=False,
-        save_final=False,
-    )
-    return TrainConfig(**{**base, **overrides})
+_tiny = tiny_train_config
 
 
 def _run(cfg, hook=None):

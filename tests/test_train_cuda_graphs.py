@@ -16,6 +16,7 @@ import math
 
 import pytest
 import torch
+from tiny_runs import tiny_train_config
 
 from hf_varlen.training import PackedTrainer, TrainConfig
 from hf_varlen.training import graphs as graphs_mod
@@ -25,18 +26,12 @@ from hf_varlen.training.metrics import read_log
 
 def _tiny(tmp_path, name, **overrides) -> TrainConfig:
     base = dict(
-        output_dir=str(tmp_path / name),
-        builtin_examples=64,
-        max_length=128,
-        tokens_per_batch=384,
         max_steps=6,
-        progress=False,
-        save_final=False,
         static_shapes=True,
         warmup_steps=2,  # a schedule that moves: the captured update must follow it
         max_grad_norm=0.5,  # a clip that bites
     )
-    return TrainConfig(**{**base, **overrides})
+    return tiny_train_config(tmp_path, name, **{**base, **overrides})
 
 
 def _eager_capture(fn, pool):
