@@ -6,7 +6,9 @@ Providers (bf16 hidden (T, H) and weight (V, H), random labels, a share --ignore
     hf         logits = hidden @ W^T; F.cross_entropy(logits.float(), labels, reduction="sum") / n
     compile    torch.compile of the hf function
     liger      liger-kernel's LigerFusedLinearCrossEntropyLoss (comparator only, if installed)
-    hf_varlen  hf_varlen.ops.cross_entropy.fused_linear_cross_entropy
+    hf_varlen  hf_varlen.ops.cross_entropy.fused_linear_cross_entropy (every row, no host sync)
+    hf_varlen-drop  the same with drop_ignored_tokens=True (ignored rows dropped before the
+               matmuls: fewer FLOPs at a high --ignore-frac, one host sync per call)
 
 Time: CUDA events around (forward + backward), median of --reps runs after --warmup runs.
 Memory: torch.cuda.max_memory_allocated() during one step minus what was allocated before it
@@ -63,6 +65,10 @@ def _providers(names: list[str]) -> tuple[dict, dict]:
             fns[name] = lambda h, w, y, n, _m=liger: _m(w, h, y) / n
         elif name == "hf_varlen":
             fns[name] = lambda h, w, y, n: ce.fused_linear_cross_entropy(h, w, y) / n
+        elif name == "hf_varlen-drop":
+            fns[name] = lambda h, w, y, n: (
+                ce.fused_linear_cross_entropy(h, w, y, drop_ignored_tokens=True) / n
+            )
         elif name.startswith("hf_varlen[chunk="):
             chunk = int(name.split("=")[1].rstrip("]"))
             fns[name] = lambda h, w, y, n, c=chunk: (
