@@ -236,8 +236,10 @@ def kept_rows(hidden: torch.Tensor, labels: torch.Tensor, ignore_index: int, dro
             "drop_ignored_tokens=True reads the kept-token count back to the host, which a CUDA "
             "graph capture cannot do; use drop_ignored_tokens=False (the default) for captured steps"
         )
-    # Host read, intended (drop_ignored_tokens=True): once per loss call, inside the opaque custom
-    # op torch.compile sees (torch.ops.hf_varlen.fused_linear_ce), so it never breaks the graph.
+    # Host reads, intended (drop_ignored_tokens=True only): the count, and nonzero's data-dependent
+    # size, once per loss call, inside the opaque custom op torch.compile sees
+    # (torch.ops.hf_varlen.fused_linear_ce), so they never break the graph; refused above while
+    # a CUDA graph is captured.
     n_valid = int(keep.sum())
     idx = None if n_valid == hidden.shape[0] else keep.nonzero().squeeze(1)
     h = hidden if idx is None else hidden.index_select(0, idx)

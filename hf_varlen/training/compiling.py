@@ -11,11 +11,12 @@ What ``--compile`` does:
   the token dimension and the document count; for padded batches the sequence dimension of the
   attention mask too), and the collator's ``max_length_q/k`` ints are traced symbolic from the
   start, as is the loss's ``num_items_in_batch`` (``hf_varlen.metadata.symbolic_batch_ints``:
-  ``torch.compiler.config.dynamic_sources``), so changing packs do not recompile: one graph for training (padded batches:
-  rows and length marked dynamic; a one-row batch is a graph of its own). Eval (``model.eval()`` under ``no_grad``) is a
-  graph of its own. With ``--static-shapes`` the batches take only the ladder's token counts and
-  one ``cu_seq_lens`` length; they are still marked dynamic, because one graph per bucket would
-  exceed Dynamo's recompile limit (the static shapes are for CUDA graphs, captured per bucket).
+  ``torch.compiler.config.dynamic_sources``), so changing packs do not recompile: one graph for
+  training (padded batches: rows and length marked dynamic; a one-row batch is a graph of its
+  own). Eval (``model.eval()`` under ``no_grad``) is a graph of its own. With ``--static-shapes``
+  the batches take only the ladder's token counts and one ``cu_seq_lens`` length; they are still
+  marked dynamic, because one graph per bucket would exceed Dynamo's recompile limit (the static
+  shapes are for CUDA graphs, captured per bucket: ``--cuda-graphs``, ``training/graphs.py``).
 - Dynamo's recompile limit raises instead of falling back to eager
   (``fail_on_recompile_limit_hit``), and every compile failure is re-raised as ``CompileError``
   with the reason and a way out: nothing silently runs eager.

@@ -12,7 +12,7 @@ What each graph does (all graphs share one memory pool: they never run at the sa
   ``loss = model(**static_inputs, num_items_in_batch=n_items).loss``, ``loss.backward()`` into
   the static ``.grad`` buffers (gradient accumulation adds into them), ``loss_sum += loss``.
 - update graph (captured once, on the first step, after one eager optimizer step that changes
-  nothing — its ``found_inf`` is set — and only allocates the optimizer state): the gradient-norm
+  nothing (its ``found_inf`` is set) and only allocates the optimizer state): the gradient-norm
   clip, the non-finite test of loss and norm, the fused AdamW step (``capturable``; a
   non-finite step is skipped on the device through the optimizer's ``found_inf``, exactly as the
   eager step skips it), the loss and norm copied out for the log, gradients and loss sum zeroed.
@@ -101,10 +101,16 @@ def _capture_cuda(fn: Callable[[], None], pool) -> Callable[[], None]:
 class GraphedStep:
     """The captured training step of one run (see the module docstring).
 
-    ``model`` is the training model (accelerate's prepared one), ``optimizer`` a torch AdamW or
-    accelerate's wrapper around one (its ``step`` is what the LR scheduler watches), ``loss_fn(model, inputs, n_items) -> loss`` the eager loss of
-    one micro-batch, ``max_grad_norm`` the clip (inf: none). ``capture`` captures a function and
-    returns its replay (CUDA by default)."""
+    ``model``: the training model (accelerate's prepared one). ``optimizer``: a torch AdamW, or
+    accelerate's wrapper around one (its ``step`` is what an LR scheduler watches). ``loss_fn(model,
+    inputs, n_items) -> loss``: the eager loss of one micro-batch. ``max_grad_norm``: the clip (inf:
+    none). ``capture``: captures a function and returns its replay (CUDA by default).
+
+    What it changes of yours, on the first ``step``: every param group of the optimizer becomes
+    fused, capturable, non-foreach, with its learning rate a 0-d device tensor (an LR scheduler
+    built on it keeps working: it fills the tensor); parameter gradients become persistent buffers
+    (zeroed by the update graph, never set to None). Batch ints ``max_length_q/k`` are replaced
+    by the shape's token count (an upper bound); other non-tensor batch keys are refused."""
 
     def __init__(
         self,

@@ -386,8 +386,6 @@ class PackedTrainer:
         return t.tolist()
 
     def _micro_step(self, mb: MicroBatch, n_items, sync: bool) -> torch.Tensor:
-        if self.bucket_counts:
-            self.bucket_counts[mb.tensor_tokens] += 1
         inputs = self.compiler.mark(_to_device(mb.inputs, self.device))
         ctx = contextlib.nullcontext() if sync else self.acc.no_sync(self.model)
         with ctx, self.compiler.guard():
@@ -412,11 +410,13 @@ class PackedTrainer:
             n_items = self.acc.reduce(torch.tensor(local, device=self.device), reduction="sum")
         else:
             n_items = local
+        if self.bucket_counts:
+            for mb in batches:
+                self.bucket_counts[mb.tensor_tokens] += 1
+        # With --cuda-graphs the learning rates are device tensors: a host read, intended, before
+        # the replays (the previous step's read-back left the GPU idle), outside any capture.
         lr = float(self.scheduler.get_last_lr()[0])
         if self.graphed is not None:  # forward, backward and the update replayed, or skipped
-            for mb in batches:
-                if self.bucket_counts:
-                    self.bucket_counts[mb.tensor_tokens] += 1
             out = self.graphed.step([mb.inputs for mb in batches], n_items)
             loss_value, grad_norm = out["loss"], out["grad_norm"]
         else:
