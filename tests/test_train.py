@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from tiny_runs import epoch_train_config
 
 from hf_varlen.ops.common import IGNORE_INDEX
 from hf_varlen.testing import assert_numerics
@@ -27,16 +28,7 @@ from hf_varlen.training.data import tokenize
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def tiny(tmp_path, **overrides) -> TrainConfig:
-    base = dict(
-        output_dir=str(tmp_path / "run"),
-        builtin_examples=48,
-        max_length=256,
-        tokens_per_batch=512,
-        progress=False,
-        save_final=False,
-    )
-    return TrainConfig(**{**base, **overrides})
+tiny = epoch_train_config
 
 
 def sgd(tmp_path, **overrides) -> TrainConfig:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_runs import epoch_train_config
 
 import hf_varlen
 from hf_varlen import cli
@@ -21,17 +22,7 @@ from hf_varlen.training import PackedTrainer, TrainConfig
 from hf_varlen.training.checkpoint import CheckpointError
 from hf_varlen.training.loop import NonFiniteError
 
-
-def tiny(tmp_path: Path, **overrides) -> TrainConfig:
-    base = dict(
-        output_dir=str(tmp_path / "run"),
-        builtin_examples=48,
-        max_length=256,
-        tokens_per_batch=512,
-        progress=False,
-        save_final=False,
-    )
-    return TrainConfig(**{**base, **overrides})
+tiny = epoch_train_config
 
 
 def nan_at_steps(*steps: int):

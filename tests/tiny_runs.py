@@ -3,6 +3,9 @@
 tiny_train_config(tmp_path, name, **overrides)   TrainConfig writing to tmp_path / name: 64
                                                  built-in examples, max_length 128, 384-token
                                                  micro-batches, 5 steps, no progress bar, no export
+epoch_train_config(tmp_path, **overrides)        to tmp_path / "run": 48 built-in examples,
+                                                 max_length 256, 512-token micro-batches, whole
+                                                 epochs (no max_steps)
 """
 
 from __future__ import annotations
@@ -21,3 +24,8 @@ def tiny_train_config(tmp_path, name, **overrides) -> TrainConfig:
         save_final=False,
     )
     return TrainConfig(**{**base, **overrides})
+
+
+def epoch_train_config(tmp_path, **overrides) -> TrainConfig:
+    base = dict(builtin_examples=48, max_length=256, tokens_per_batch=512, max_steps=None)
+    return tiny_train_config(tmp_path, "run", **{**base, **overrides})
