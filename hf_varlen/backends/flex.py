@@ -75,7 +75,9 @@ def document_block_mask(cu_q, cu_k, total_q, total_k, *, causal, window_size):
             total_q,
             total_k,
             device=cu_q.device,
-            _compile=cu_q.device.type == "cuda",
+            # Eager: compile the mask build (the uncompiled one materialises T x T); inside a
+            # compiled model it is traced like any other code (_compile would warn there).
+            _compile=cu_q.device.type == "cuda" and not torch.compiler.is_compiling(),
         )
 
     return _MASKS.get_or_compute((cu_q, cu_k), build, extra=(total_q, total_k, left, right))
