@@ -35,7 +35,9 @@ Compile modes also report per cell: the compilations (dynamo's unique graphs, th
 graph breaks, the first step's time, and the compile time estimate: the warm-up steps' excess over
 the steady step time.
 
-Metrics per run, over the steps after ``--warmup``: real tokens/s, peak GiB
+Metrics per run, over the steps after ``--warmup`` that neither compiled nor captured a CUDA graph
+(graph modes capture each new bucket shape the first time it comes, possibly after the warm-up;
+such steps are counted in the cell and their excess time goes to the compile time): real tokens/s, peak GiB
 (``max_memory_allocated``), MFU = model FLOPs incl. attention / ``--peak-tflops`` (790 on the H200,
 ANCHORS.md), the padding share of the tensors, and the per-step loss. Loss equality: each mode's
 per-step losses against ``padded_sdpa`` (same examples, same order).
@@ -276,7 +278,10 @@ def run_one(run: dict) -> dict:
     except torch.OutOfMemoryError:
         return {"status": "OOM"}
     records = trainer_records(run["run_dir"])
-    steady = records[run["warmup"] :] or records
+    # Steady state: the steps after the warm-up that neither compiled nor captured a CUDA graph
+    # (a new bucket shape seen late); those are counted in the cell, their time in compile_s.
+    timed = records[run["warmup"] :] or records
+    steady = [r for r in timed if not (r.get("compilations") or r.get("captures"))] or timed
     seconds = sum(r["step_time"] for r in steady)
     tokens = sum(r["real_tokens"] for r in steady)
     tflops = sum(r["tflops_per_s"] * r["step_time"] for r in steady) / seconds
@@ -288,6 +293,7 @@ def run_one(run: dict) -> dict:
         "peak_gib": max(r["peak_mem_gib"] for r in records),
         "tflops_per_s": tflops,
         "mfu": tflops / run["peak_tflops"] if run["peak_tflops"] else None,
+        "excluded_steps": len(timed) - len(steady),
         "padding_efficiency": sum(r["real_tokens"] for r in records)
         / sum(r["tensor_tokens"] for r in records),
         "losses": [r["loss"] for r in records],
@@ -331,12 +337,15 @@ def compile_stats(run: dict, records: list[dict], steady: list[dict]) -> dict:
     from torch._dynamo.utils import counters
 
     step = sum(r["step_time"] for r in steady) / len(steady)
-    warm = records[: run["warmup"]]
+    kept = {id(r) for r in steady}
+    # The warm-up steps and any later step that compiled or captured: their excess over the
+    # steady step.
+    extra = [r for i, r in enumerate(records) if i < run["warmup"] or id(r) not in kept]
     return {
         "compilations": int(counters["stats"]["unique_graphs"]),
         "graph_breaks": int(sum(counters["graph_break"].values())),
         "first_step_s": records[0]["step_time"],
-        "compile_s": sum(max(0.0, r["step_time"] - step) for r in warm),
+        "compile_s": sum(max(0.0, r["step_time"] - step) for r in extra),
     }
 
 

@@ -12,6 +12,7 @@ The capture itself runs on the GPU (tests/test_cuda_graph_capture.py and the e2e
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -101,6 +102,7 @@ def test_graphed_run_resumes_bit_identically(tmp_path, capture_on_cpu):
 
     def log(run):
         drop = ("elapsed", "step_time", "tokens_per_s", "tflops_per_s", "mfu", "peak_mem_gib")
+        drop += ("captures",)  # the resumed process captures its graphs anew
         recs = read_log(str(tmp_path / run))
         return [{k: v for k, v in r.items() if k not in drop} for r in recs if r["step"] > 3]
 
@@ -160,6 +162,36 @@ def test_one_graph_per_batch_shape():
     assert step.summary()["shapes"] == [8, 16] and step.summary()["graphs"] == 3
     with pytest.raises(ValueError, match="packed \\[1, T\\] micro-batches"):
         step.step([{"input_ids": torch.zeros(2, 8, dtype=torch.int64)}], n_items=8)
+
+
+def test_a_new_shape_late_in_a_step_keeps_the_accumulated_micro_batches():
+    """Gradient accumulation where the step's second micro-batch has a shape not seen before: its
+    capture (whose warm-up passes are undone by zeroing the gradients) happens before any replay
+    of the step, so the step's loss and gradient norm are those of both micro-batches."""
+    torch.manual_seed(0)
+    model = torch.nn.Embedding(50, 3)
+
+    def loss_fn(m, b, n):
+        return m(b["input_ids"]).square().sum() / n
+
+    step = GraphedStep(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=0.1),
+        loss_fn,
+        device=torch.device("cpu"),
+        max_grad_norm=math.inf,
+        capture=_eager_capture,
+    )
+    first = {"input_ids": torch.randint(0, 50, (1, 8))}
+    step.step([first], n_items=8)  # the 8-token shape is known from now on
+    batches = [{"input_ids": torch.randint(0, 50, (1, t))} for t in (8, 16)]
+    ref = copy.deepcopy(model)
+    want = sum(loss_fn(ref, b, 24) for b in batches)
+    want.backward()
+    out = step.step(batches, n_items=24)
+    assert out["loss"] == pytest.approx(float(want), rel=1e-6)
+    assert out["grad_norm"] == pytest.approx(float(ref.weight.grad.norm()), rel=1e-6)
+    assert step.summary()["shapes"] == [8, 16]
 
 
 def test_which_runs_can_capture(tmp_path):

@@ -192,9 +192,11 @@ class GraphedStep:
         """One optimizer step over the micro-batches ``batches`` (CPU tensors, as collated), with
         ``n_items`` the label tokens of the whole step. Returns loss, grad_norm and skipped."""
         self._ensure_update()
+        # New shapes first: a capture's warm-up zeroes the gradients, which must not drop the
+        # accumulation of micro-batches already replayed in this step.
+        micros = [self._graph_for(inputs) for inputs in batches]
         self.n_items.fill_(float(n_items))
-        for inputs in batches:
-            micro = self._graph_for(inputs)
+        for micro, inputs in zip(micros, batches, strict=True):
             micro.load(inputs)
             micro.replay()
         self.update()
@@ -212,12 +214,17 @@ class GraphedStep:
             self.graph_bytes += self._reserved() - reserved
         return micro
 
+    @property
+    def captures(self) -> int:
+        """Graphs captured so far (the update's and one per batch shape)."""
+        return len(self.graphs) + (self.update is not None)
+
     def summary(self) -> dict[str, Any]:
         """Graphs captured, the token counts of their shapes, warm-up + capture seconds, and the
         CUDA memory the captures reserved."""
         shapes = sorted(m.tokens for m in self.graphs.values())
         out = {
-            "graphs": len(self.graphs) + (self.update is not None),
+            "graphs": self.captures,
             "shapes": shapes,
             "capture_s": self.capture_s,
             "graph_gib": self.graph_bytes / 2**30,

@@ -404,6 +404,7 @@ class PackedTrainer:
         """One optimizer step over this rank's micro-batches ``group``; returns global counts."""
         t0 = time.perf_counter()
         compiled_before = self.compiler.compilations
+        captured_before = self.graphed.captures if self.graphed is not None else 0
         batches = [self.batcher(idx) for idx in group]
         local = sum(b.label_tokens for b in batches)
         if self.acc.num_processes > 1:
@@ -472,6 +473,12 @@ class PackedTrainer:
             **(
                 {"compilations": self.compiler.compilations - compiled_before}
                 if self.compiler.enabled
+                else {}
+            ),
+            # Steps that captured CUDA graphs (warm-up + capture inside their step_time).
+            **(
+                {"captures": self.graphed.captures - captured_before}
+                if self.graphed is not None
                 else {}
             ),
         }
