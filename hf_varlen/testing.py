@@ -14,9 +14,17 @@ Why the floor: when the two references agree exactly (``ref_lo == ref_hi``, e.g.
 whose fp64 value happens to be representable) and the ``+ 0.3`` probe rounds without error, the
 first two terms are 0 and the rule would demand a bit-exact kernel. The floor allows what a single
 rounding to ``dtype`` at the reference's magnitude can cost (``2 * floor`` >= 1 ulp there).
+
+For a reduction (``terms``: ``x`` is a sum or mean of that many rounded values, e.g. a loss over its
+label tokens) the floor is ``(1 + ceil(log2(terms)))`` unit roundoffs at the reference's magnitude:
+the error bound of pairwise summation (Higham, *Accuracy and Stability of Numerical Algorithms*,
+section 4.2), the tree order GPU and Inductor reductions use. Two exact-agreeing references say
+nothing about how a different summation order of the same terms rounds.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -27,17 +35,27 @@ def rounding_eps(ref_hi: torch.Tensor, dtype: torch.dtype) -> float:
     return ((x + 0.3) - 0.3 - x).abs().max().item() if x.numel() else 0.0
 
 
-def rounding_floor(ref_hi: torch.Tensor, dtype: torch.dtype) -> float:
-    """``u * max|ref_hi|``: one rounding to ``dtype`` at the reference's magnitude (module doc)."""
+def rounding_floor(ref_hi: torch.Tensor, dtype: torch.dtype, terms: int = 1) -> float:
+    """``u * max|ref_hi|``: one rounding to ``dtype`` at the reference's magnitude, times
+    ``1 + ceil(log2(terms))`` for a reduction over ``terms`` values (module doc)."""
+    if terms < 1:
+        raise ValueError(f"terms: expected >= 1 (the values the result reduces), got {terms}")
     if not ref_hi.numel() or not dtype.is_floating_point:
         return 0.0
-    return torch.finfo(dtype).eps / 2 * ref_hi.detach().double().abs().max().item()
+    roundings = 1 + math.ceil(math.log2(terms))
+    return roundings * torch.finfo(dtype).eps / 2 * ref_hi.detach().double().abs().max().item()
 
 
 def numerics_error(
-    x: torch.Tensor, ref_hi: torch.Tensor, ref_lo: torch.Tensor, *, factor: float = 2.0
+    x: torch.Tensor,
+    ref_hi: torch.Tensor,
+    ref_lo: torch.Tensor,
+    *,
+    factor: float = 2.0,
+    terms: int = 1,
 ) -> tuple[bool, str]:
-    """Apply the rule; returns (passed, message with both errors and the bound)."""
+    """Apply the rule; returns (passed, message with both errors and the bound). ``terms``: how
+    many rounded values ``x`` reduces (1: an elementwise result; module doc)."""
     if x.shape != ref_hi.shape or ref_lo.shape != ref_hi.shape:
         return (
             False,
@@ -55,20 +73,27 @@ def numerics_error(
     err = (xd - hi).abs().max().item()
     ref_err = (lo - hi).abs().max().item()
     eps = rounding_eps(ref_hi.detach().cpu().float(), x.dtype)
-    floor = rounding_floor(hi, x.dtype)
+    floor = rounding_floor(hi, x.dtype, terms)
     bound = factor * ref_err + 2 * max(eps, floor)
     msg = (
         f"max|x - ref_hi| = {err:.3e}; max|ref_lo - ref_hi| = {ref_err:.3e}; eps_rounding = {eps:.3e}; "
-        f"floor = {floor:.3e}; bound = {factor:g}*{ref_err:.3e} + 2*max({eps:.3e}, {floor:.3e}) "
+        f"floor = {floor:.3e}{f' ({terms} terms)' if terms > 1 else ''}; bound = {factor:g}*{ref_err:.3e} + 2*max({eps:.3e}, {floor:.3e}) "
         f"= {bound:.3e}"
     )
     return err <= bound, msg
 
 
 def assert_numerics(
-    name: str, x: torch.Tensor, ref_hi: torch.Tensor, ref_lo: torch.Tensor, *, factor: float = 2.0
+    name: str,
+    x: torch.Tensor,
+    ref_hi: torch.Tensor,
+    ref_lo: torch.Tensor,
+    *,
+    factor: float = 2.0,
+    terms: int = 1,
 ) -> None:
-    """Raise AssertionError naming ``name`` when the rule fails (outputs: factor 2, grads: 3)."""
-    ok, msg = numerics_error(x, ref_hi, ref_lo, factor=factor)
+    """Raise AssertionError naming ``name`` when the rule fails (outputs: factor 2, grads: 3;
+    ``terms``: the values a reduction such as a loss sums, see the module doc)."""
+    ok, msg = numerics_error(x, ref_hi, ref_lo, factor=factor, terms=terms)
     if not ok:
         raise AssertionError(f"{name}: {msg}")

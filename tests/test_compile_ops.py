@@ -299,8 +299,10 @@ def _check_compiled_kernelized(family, device, dtype, backend):
     out, loss, grads = _step(compiled, batch)
     assert dict(counters["graph_break"]) == {}
     assert out.logits is None  # the fused loss ran (it returns no logits)
-    assert_numerics("eager loss", eager[1], hi[1], lo[1])
-    assert_numerics("compiled loss", loss, hi[1], lo[1])
+    # The loss is a mean over the label tokens: a reduction whose order Inductor may change.
+    terms = int((batch["labels"][..., 1:] != -100).sum())
+    assert_numerics("eager loss", eager[1], hi[1], lo[1], terms=terms)
+    assert_numerics("compiled loss", loss, hi[1], lo[1], terms=terms)
     for name in hi[2]:
         assert_numerics(f"grad {name}", grads[name], hi[2][name], lo[2][name], factor=3.0)
 

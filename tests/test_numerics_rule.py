@@ -45,3 +45,26 @@ def test_all_zero_reference_has_no_floor():
     assert ok
     ok, msg = numerics_error(torch.full((4,), 1e-7), ref.double(), ref)
     assert not ok, msg
+
+
+def test_reduction_floor_grows_with_log2_of_the_terms():
+    # The GPU failure of test_kernelized_model_with_fused_loss_compiles_inductor[gemma2-fp32]:
+    # Inductor's reduction order puts a mean over ~100 label tokens 2 ulps from references that
+    # agree exactly; pairwise summation of n terms may cost 1 + ceil(log2 n) roundings.
+    ref = torch.tensor(4.887457370758057, dtype=torch.float32)
+    x = _next_up(_next_up(ref))
+    assert not numerics_error(x, ref.double(), ref.clone())[0]
+    ok, msg = numerics_error(x, ref.double(), ref.clone(), terms=100)
+    assert ok and "(100 terms)" in msg, msg
+    u = torch.finfo(torch.float32).eps / 2
+    assert rounding_floor(ref, torch.float32, terms=100) == 8 * u * float(ref)  # 1 + ceil(6.64)
+    assert rounding_floor(ref, torch.float32, terms=1) == u * float(ref)
+    far = ref + 20 * (_next_up(ref) - ref)  # 20 ulps is more than 100 terms' rounding
+    assert not numerics_error(far, ref.double(), ref.clone(), terms=100)[0]
+
+
+def test_reduction_terms_must_be_positive():
+    import pytest
+
+    with pytest.raises(ValueError, match="terms: expected >= 1"):
+        rounding_floor(torch.ones(1), torch.float32, terms=0)
