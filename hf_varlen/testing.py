@@ -76,9 +76,9 @@ def numerics_error(
     floor = rounding_floor(hi, x.dtype, terms)
     bound = factor * ref_err + 2 * max(eps, floor)
     msg = (
-        f"max|x - ref_hi| = {err:.3e}; max|ref_lo - ref_hi| = {ref_err:.3e}; eps_rounding = {eps:.3e}; "
-        f"floor = {floor:.3e}{f' ({terms} terms)' if terms > 1 else ''}; bound = {factor:g}*{ref_err:.3e} + 2*max({eps:.3e}, {floor:.3e}) "
-        f"= {bound:.3e}"
+        f"max|x - ref_hi| = {err:.3e}; max|ref_lo - ref_hi| = {ref_err:.3e}; "
+        f"eps_rounding = {eps:.3e}; floor = {floor:.3e}{f' ({terms} terms)' if terms > 1 else ''}; "
+        f"bound = {factor:g}*{ref_err:.3e} + 2*max({eps:.3e}, {floor:.3e}) = {bound:.3e}"
     )
     return err <= bound, msg
 

@@ -37,9 +37,9 @@ the steady step time.
 
 Metrics per run, over the steps after ``--warmup`` that neither compiled nor captured a CUDA graph
 (graph modes capture each new bucket shape the first time it comes, possibly after the warm-up;
-such steps are counted in the cell and their excess time goes to the compile time): real tokens/s, peak GiB
-(``max_memory_allocated``), MFU = model FLOPs incl. attention / ``--peak-tflops`` (790 on the H200,
-ANCHORS.md), the padding share of the tensors, and the per-step loss. Loss equality: each mode's
+such steps are counted in the cell and their excess time goes to the compile time): real tokens/s,
+peak GiB (``max_memory_allocated``), MFU = model FLOPs incl. attention / ``--peak-tflops`` (790 on
+the H200, ANCHORS.md), the padding share of the tensors, and the per-step loss. Loss equality: each mode's
 per-step losses against ``padded_sdpa`` (same examples, same order).
 
 Outputs (``--out``): ``results.json`` (streamed after every run), ``e2e_tables.md`` (the tables for
@@ -281,7 +281,7 @@ def run_one(run: dict) -> dict:
     # Steady state: the steps after the warm-up that neither compiled nor captured a CUDA graph
     # (a new bucket shape seen late); those are counted in the cell, their time in compile_s.
     timed = records[run["warmup"] :] or records
-    steady = [r for r in timed if not (r.get("compilations") or r.get("captures"))] or timed
+    steady = [r for r in timed if not _unsteady(r)] or timed
     seconds = sum(r["step_time"] for r in steady)
     tokens = sum(r["real_tokens"] for r in steady)
     tflops = sum(r["tflops_per_s"] * r["step_time"] for r in steady) / seconds
@@ -329,6 +329,11 @@ def gpu_busy(trainer) -> dict:
     return {"gpu_busy": kernel_us / 1e6 / wall, "busy_step_ms": 1e3 * wall}
 
 
+def _unsteady(record: dict) -> bool:
+    """Whether a step compiled or captured CUDA graphs (its time is not the steady step's)."""
+    return bool(record.get("compilations") or record.get("captures"))
+
+
 def compile_stats(run: dict, records: list[dict], steady: list[dict]) -> dict:
     """Per-cell compile numbers of a compile mode (empty for eager modes)."""
     spec = MODES[run["mode"]]
@@ -337,10 +342,9 @@ def compile_stats(run: dict, records: list[dict], steady: list[dict]) -> dict:
     from torch._dynamo.utils import counters
 
     step = sum(r["step_time"] for r in steady) / len(steady)
-    kept = {id(r) for r in steady}
     # The warm-up steps and any later step that compiled or captured: their excess over the
     # steady step.
-    extra = [r for i, r in enumerate(records) if i < run["warmup"] or id(r) not in kept]
+    extra = records[: run["warmup"]] + [r for r in records[run["warmup"] :] if _unsteady(r)]
     return {
         "compilations": int(counters["stats"]["unique_graphs"]),
         "graph_breaks": int(sum(counters["graph_break"].values())),

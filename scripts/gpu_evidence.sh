@@ -15,7 +15,9 @@
 #   bash scripts/gpu_evidence.sh compile   OUT_DIR   # bench_e2e: compiled vs eager at one batch size
 #                                  (HF_VARLEN_BATCH_SIZES, default 32; HF_VARLEN_COMPILE_MODES; a
 #                                   1B-shape compile cell takes 170-215 s on the H200)
-#   bash scripts/gpu_evidence.sh graphs    OUT_DIR   # bench_e2e: --cuda-graphs on (eager / compiled), B32/8
+#   bash scripts/gpu_evidence.sh graphs    OUT_DIR   # bench_e2e: --cuda-graphs on, eager and
+#                                  compiled, B32 and B8; 25 steps, so that steps replaying every
+#                                  shape remain after the capture steps
 #                                  (HF_VARLEN_GRAPH_MODES, HF_VARLEN_BATCH_SIZES)
 #   bash scripts/gpu_evidence.sh coverage  OUT_DIR   # bench_coverage_check: the eager offsets check
 #   bash scripts/gpu_evidence.sh lora      OUT_DIR   # bench_e2e: LoRA r=16 vs full, B8 and B32
@@ -66,6 +68,16 @@ step() {  # step NAME SECONDS CMD...: run with a timeout, log to OUT_DIR/NAME.lo
     timeout "$secs" "$@" >"$out/$name.log" 2>&1
     echo "   rc=$?"
     tail -n 8 "$out/$name.log"
+    pack_runs "$name"
+}
+
+pack_runs() {  # pack_runs STEP: bench_e2e's per-run folders into one archive per folder and step
+    local d  # (the device tool returns only so many files; results.json and the tables hold what
+    for d in "$out"/*/; do  # the report needs, the archive the per-step metrics)
+        if compgen -G "$d"run[0-9]* >/dev/null; then
+            (cd "$d" && tar czf "runs_$1.tgz" run[0-9]* && rm -rf run[0-9]*)
+        fi
+    done
 }
 
 case "$stage" in
@@ -145,10 +157,11 @@ compile)  # one batch size per call: the four B32 cells took 434 s (two 1B-shape
         --steps 15 --warmup 5 --timeout 240
     ;;
 graphs)
+    modes=minimal_varlen,hf_varlen,hf_varlen-graphs,hf_varlen-compile-graphs
     step bench_e2e_graphs 560 python3 scripts/bench_e2e.py --out "$out/graphs" \
         --plots-dir "$out/graphs" --tokenizer "$data/qwen2" --alpaca "$data/alpaca_5000.json" \
-        --lima "$data/lima.json" --modes "${HF_VARLEN_GRAPH_MODES:-minimal_varlen,hf_varlen,hf_varlen-graphs,hf_varlen-compile-graphs}" \
-        --batch-sizes "${HF_VARLEN_BATCH_SIZES:-32,8}" --steps 15 --warmup 5 --timeout 240
+        --lima "$data/lima.json" --modes "${HF_VARLEN_GRAPH_MODES:-$modes}" \
+        --batch-sizes "${HF_VARLEN_BATCH_SIZES:-32,8}" --steps 25 --warmup 5 --timeout 240
     ;;
 lora)
     step bench_e2e_lora 560 python3 scripts/bench_e2e.py --out "$out/lora" \

@@ -39,7 +39,8 @@ def _capture(step):
 
 def test_fused_cross_entropy_replays_new_labels():
     """The row count of ignored labels differs between packs: the captured op must not have baked
-    in the warm-up's count or row selection (by default it never compacts rows: nothing is read back)."""
+    in the warm-up's count or row selection (by default it never compacts rows: nothing is read
+    back)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     n, hidden, vocab = 512, 64, 1000
     h = torch.randn(n, hidden, device="cuda", generator=gen).bfloat16().requires_grad_()

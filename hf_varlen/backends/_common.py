@@ -50,9 +50,10 @@ def host_offsets(cu_seqlens: torch.Tensor, name: str, total: int, max_len: int) 
         )
 
     def build() -> list[int]:
-        # Host read, intended (never while capturing, above): only the host-offset backends (sdpa, reference, xformers) call
-        # this, once per batch; under torch.compile they run inside the opaque op
-        # (backends/opaque.py), so the read happens at run time, outside the traced graph.
+        # Host read, intended (never while capturing, above): only the host-offset backends
+        # (sdpa, reference, xformers) call this, once per batch; under torch.compile they run
+        # inside the opaque op (backends/opaque.py), so the read happens at run time, outside the
+        # traced graph.
         host = cu_seqlens.tolist()
         check_offsets(name, host, total, max_len)
         return host

@@ -291,7 +291,8 @@ def install_fused_cross_entropy(
     the original forward). Undo with :func:`uninstall_fused_cross_entropy`.
 
     ``drop_ignored_tokens``: see ``hf_varlen.ops.fused_linear_cross_entropy`` (False, the default:
-    no host sync, CUDA-graph safe; True: fewer FLOPs when many labels are masked, one sync per step).
+    no host sync, CUDA-graph safe; True: fewer FLOPs when many labels are masked, one sync per
+    step).
     """
     lm = _causal_lm(model)
     if not isinstance(lm, torch.nn.Module) or not callable(

@@ -83,9 +83,10 @@ class VarlenSFTTrainer(SFTTrainer):
     Takes every ``SFTTrainer`` argument, plus:
 
         fused_cross_entropy_kwargs: keyword arguments of ``hf_varlen.install_fused_cross_entropy``
-            (``chunk_size``, ``z_loss``, ``label_smoothing``, ``backend``, ``drop_ignored_tokens``). None: the defaults, or,
-            when the model already has the fused loss installed (``hf_varlen.kernelize`` installs
-            it), the options it was installed with.
+            (``chunk_size``, ``z_loss``, ``label_smoothing``, ``backend``,
+            ``drop_ignored_tokens``). None: the defaults, or, when the model already has the fused
+            loss installed (``hf_varlen.kernelize`` installs it), the options it was installed
+            with.
 
     See the module docstring for what is kept from TRL, what is not logged and what is refused.
     """

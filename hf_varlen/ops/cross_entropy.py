@@ -47,10 +47,10 @@ down by the interpreter; ``backend="auto"`` picks by device. The Triton kernel l
 
 Dispatch: ``torch.ops.hf_varlen.fused_linear_ce`` (+ ``fused_linear_ce_rows_bwd`` for "none") is an
 opaque ``custom_op`` with a fake implementation and autograd via ``register_autograd``; the chunk
-loop (and, with ``drop_ignored_tokens``, its row-count sync) runs inside it, so torch.compile traces it without a graph break or a
-Python number read from a tensor. The public function calls it only while torch.compile traces;
-eager calls keep the ``autograd.Function`` (a registered op's dispatch costs ~20 us more host time
-per call on CPU, torch 2.13). Both run the same chunk loop.
+loop (and, with ``drop_ignored_tokens``, its row-count sync) runs inside it, so torch.compile traces
+it without a graph break or a Python number read from a tensor. The public function calls it only
+while torch.compile traces; eager calls keep the ``autograd.Function`` (a registered op's dispatch
+costs ~20 us more host time per call on CPU, torch 2.13). Both run the same chunk loop.
 
 Modules: this one (validation, the eager autograd.Function, the public function),
 ``cross_entropy_chunks.py`` (row step launchers, the chunk loop, row compaction),

@@ -23,11 +23,12 @@ from .library import qualname
 # ----------------------------------------------------------------------------------------------
 # The chunk loop is cuBLAS matmuls around a row kernel (plus, with drop_ignored, one host sync for
 # the kept-row count), so it stays one opaque op: Inductor has nothing to fuse across it, and a
-# sync happens inside the op (no graph break, nothing read into Python while tracing). The forward returns the loss,
-# the gradients of the unscaled loss and the kept-token count as a tensor; the backward scales
-# them by grad_output (divided by that count for "mean"), as the autograd.Function does. Unneeded
-# gradients are empty (0,) tensors. "none" computes no gradient in the forward; its backward is
-# the second op, which recomputes the logits with the per-token grad_output as row scale.
+# sync happens inside the op (no graph break, nothing read into Python while tracing). The forward
+# returns the loss, the gradients of the unscaled loss and the kept-token count as a tensor; the
+# backward scales them by grad_output (divided by that count for "mean"), as the autograd.Function
+# does. Unneeded gradients are empty (0,) tensors. "none" computes no gradient in the forward; its
+# backward is the second op, which recomputes the logits with the per-token grad_output as row
+# scale.
 
 
 def cfg_of(
