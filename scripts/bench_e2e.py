@@ -73,72 +73,46 @@ SHARED = ROOT.parent / "shared" / "data"
 PEAK_TFLOPS_H200 = 790.0  # dense bf16 matmul peak as measured on our H200 (ANCHORS.md)
 MINIMAL_ATTN = "bench_minimal_varlen"
 
+# The two configurations the modes vary: hf_varlen in full, and the 15-line integration.
+FULL = dict(attn_backend="auto", fused_kernels="on", fused_loss="on")
+MINIMAL = dict(attn_implementation=MINIMAL_ATTN, fused_kernels="off", fused_loss="off")
+
 MODES: dict[str, dict] = {
     "padded_sdpa": dict(padded=True, fused_kernels="off", fused_loss="off"),
-    "packed_sdpa": dict(attn_implementation="sdpa", fused_kernels="off", fused_loss="off"),
-    "packed_flex": dict(
-        attn_implementation="flex_attention", fused_kernels="off", fused_loss="off"
-    ),
-    "minimal_varlen": dict(attn_implementation=MINIMAL_ATTN, fused_kernels="off", fused_loss="off"),
-    "hf_varlen": dict(attn_backend="auto", fused_kernels="on", fused_loss="on"),
-    "hf_varlen-attn": dict(attn_backend="torch", fused_kernels="on", fused_loss="on"),
-    "hf_varlen-kernels": dict(attn_backend="auto", fused_kernels="off", fused_loss="on"),
-    "hf_varlen-loss": dict(attn_backend="auto", fused_kernels="on", fused_loss="off"),
-    "liger_packed": dict(
-        attn_implementation=MINIMAL_ATTN, fused_kernels="off", fused_loss="off", liger=True
-    ),
-    "hf_varlen-compile": dict(
-        attn_backend="auto", fused_kernels="on", fused_loss="on", compile=True
-    ),
+    "packed_sdpa": {**MINIMAL, "attn_implementation": "sdpa"},
+    "packed_flex": {**MINIMAL, "attn_implementation": "flex_attention"},
+    "minimal_varlen": dict(MINIMAL),
+    "hf_varlen": dict(FULL),
+    "hf_varlen-attn": {**FULL, "attn_backend": "torch"},
+    "hf_varlen-kernels": {**FULL, "fused_kernels": "off"},
+    "hf_varlen-loss": {**FULL, "fused_loss": "off"},
+    "liger_packed": {**MINIMAL, "liger": True},
+    "hf_varlen-compile": {**FULL, "compile": True},
     # Compiled with one of our pieces switched off, where Inductor generates its own code instead
     # (its fusions of RoPE / RMSNorm / SwiGLU; its cross-entropy over materialised logits).
-    "hf_varlen-compile-kernels": dict(
-        attn_backend="auto", fused_kernels="off", fused_loss="on", compile=True
-    ),
-    "hf_varlen-compile-loss": dict(
-        attn_backend="auto", fused_kernels="on", fused_loss="off", compile=True
-    ),
+    "hf_varlen-compile-kernels": {**FULL, "fused_kernels": "off", "compile": True},
+    "hf_varlen-compile-loss": {**FULL, "fused_loss": "off", "compile": True},
     # LoRA (r=16 on every linear layer, peft): the base weights frozen, so the step is mostly
     # forward + activation gradients, where a user's small fine-tune lives (issue 14 item 5).
-    "hf_varlen-lora": dict(
-        attn_backend="auto", fused_kernels="on", fused_loss="on", lora=True, lora_r=16
-    ),
-    "minimal_varlen-lora": dict(
-        attn_implementation=MINIMAL_ATTN,
-        fused_kernels="off",
-        fused_loss="off",
-        lora=True,
-        lora_r=16,
-    ),
-    "minimal_varlen-compile": dict(
-        attn_implementation=MINIMAL_ATTN, fused_kernels="off", fused_loss="off", plain_compile=True
-    ),
+    "hf_varlen-lora": {**FULL, "lora": True, "lora_r": 16},
+    "minimal_varlen-lora": {**MINIMAL, "lora": True, "lora_r": 16},
+    "minimal_varlen-compile": {**MINIMAL, "plain_compile": True},
     # The captured step (hf-varlen train --cuda-graphs on): forward + backward per batch shape
     # and the fused AdamW update replayed from CUDA graphs; eager kernels, or compiled ones.
-    "hf_varlen-graphs": dict(
-        attn_backend="auto",
-        fused_kernels="on",
-        fused_loss="on",
-        static_shapes=True,
-        cuda_graphs="on",
-    ),
-    "hf_varlen-compile-graphs": dict(
-        attn_backend="auto",
-        fused_kernels="on",
-        fused_loss="on",
-        static_shapes=True,
-        cuda_graphs="on",
-        compile=True,
-    ),
+    "hf_varlen-graphs": {**FULL, "static_shapes": True, "cuda_graphs": "on"},
+    "hf_varlen-compile-graphs": {
+        **FULL,
+        "static_shapes": True,
+        "cuda_graphs": "on",
+        "compile": True,
+    },
     # The other mechanism: Inductor's cudagraph trees (forward + backward; the update eager).
-    "hf_varlen-reduce-overhead": dict(
-        attn_backend="auto",
-        fused_kernels="on",
-        fused_loss="on",
-        compile=True,
-        compile_mode="reduce-overhead",
-        static_shapes=True,
-    ),
+    "hf_varlen-reduce-overhead": {
+        **FULL,
+        "compile": True,
+        "compile_mode": "reduce-overhead",
+        "static_shapes": True,
+    },
 }
 DEFAULT_MODES = "padded_sdpa,packed_sdpa,packed_flex,minimal_varlen,hf_varlen,hf_varlen-attn,hf_varlen-kernels,hf_varlen-loss,liger_packed"
 COMPILE_MODES = "minimal_varlen,minimal_varlen-compile,hf_varlen,hf_varlen-compile"
