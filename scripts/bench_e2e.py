@@ -227,7 +227,7 @@ def run_one(run: dict) -> dict:
     """Train one configuration; return its metrics (``status`` "ok", "OOM" or "skipped: why")."""
     import torch
     import torch._dynamo
-    from torch._dynamo.utils import counters
+    from torch._dynamo.utils import counters, guard_failures
 
     from hf_varlen.training import PackedTrainer
 
@@ -238,6 +238,7 @@ def run_one(run: dict) -> dict:
     hook = liger_hook if MODES[run["mode"]].get("liger") else None
     torch._dynamo.reset()  # --no-isolate: each run counts its own compilations
     counters.clear()
+    guard_failures.clear()
     try:
         trainer = PackedTrainer(train_config(run, device), model_hook=hook)
         if MODES[run["mode"]].get("plain_compile"):
@@ -324,7 +325,19 @@ def compile_stats(run: dict, records: list[dict], steady: list[dict]) -> dict:
         "graph_breaks": int(sum(counters["graph_break"].values())),
         "first_step_s": records[0]["step_time"],
         "compile_s": sum(max(0.0, r["step_time"] - step) for r in extra),
+        "recompile_reasons": recompile_reasons(),
     }
+
+
+def recompile_reasons() -> list[str]:
+    """Why each recompile happened (the guard that failed), so a cell's count is explained."""
+    from torch._dynamo.utils import guard_failures
+
+    return [
+        f"{code.co_name}: {reason}"[:300]
+        for code, reasons in guard_failures.items()
+        for reason in reasons
+    ][:8]
 
 
 def trainer_records(run_dir: str) -> list[dict]:
@@ -358,6 +371,12 @@ def profile_step(trainer, run: dict) -> dict:
     on_gpu = torch.cuda.is_available()
     by_cat: dict[str, float] = {}
     kernels = []
+    # Host side: self CPU time per op (with the profiler's own overhead, so compare modes with each
+    # other, not with the unprofiled step).
+    host = sorted(
+        ((e.self_cpu_time_total, e.count, e.key) for e in prof.key_averages()),
+        reverse=True,
+    )
     for evt in prof.key_averages():
         if on_gpu:
             if evt.device_type != torch.autograd.DeviceType.CUDA:
@@ -381,6 +400,9 @@ def profile_step(trainer, run: dict) -> dict:
         "clock": "GPU kernel time" if on_gpu else "CPU op time",
         "by_category_ms": {c: us / 1e3 for c, us in sorted(by_cat.items(), key=lambda x: -x[1])},
         "top": [(us / 1e3, cat, name[:100]) for us, cat, name in kernels[:25]],
+        "host_ms": sum(us for us, _, _ in host) / 1e3,
+        "host_top": [(us / 1e3, n, name[:100]) for us, n, name in host[:25]],
+        "recompile_reasons": recompile_reasons(),
     }
 
 
@@ -475,9 +497,15 @@ def parse_args(argv=None):
     p.add_argument("--out", default="runs/bench_e2e")
     p.add_argument("--plots-dir", default=None, help="where the PNGs go (default: --out)")
     p.add_argument(
-        "--profile", action="store_true", help="also profile one hf_varlen step per model"
+        "--profile", action="store_true", help="also profile one step per model and profile mode"
     )
     p.add_argument("--profile-batch", type=int, default=32)
+    p.add_argument(
+        "--profile-modes",
+        type=csv(str),
+        default=["hf_varlen"],
+        help="the modes --profile profiles (compiled ones after their warm-up compiles)",
+    )
     p.add_argument("--padding-only", action="store_true", help="only the data-only padding table")
     p.add_argument(
         "--no-isolate", dest="isolate", action="store_false", help="runs in this process"
@@ -491,7 +519,7 @@ def parse_args(argv=None):
     p.add_argument("--one", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    unknown = [m for m in args.modes if m not in MODES]
+    unknown = [m for m in args.modes + args.profile_modes if m not in MODES]
     if unknown:
         p.error(f"--modes: unknown {unknown}; known: {list(MODES)}")
     if args.warmup >= args.steps:
@@ -533,10 +561,8 @@ def main(argv=None) -> list[dict]:
         runs = [dict(zip(keys, values, strict=True)) for values in grid]
         if args.profile:
             first = dict(data=args.data[0], max_length=args.max_lengths[0])
-            for model in args.models:
-                runs.append(
-                    dict(model=model, **first, batch_size=args.profile_batch, mode="hf_varlen")
-                )
+            for model, mode in itertools.product(args.models, args.profile_modes):
+                runs.append(dict(model=model, **first, batch_size=args.profile_batch, mode=mode))
                 runs[-1]["profile"] = True
     for i, run in enumerate(runs):
         run.update(

@@ -126,6 +126,16 @@ def write_tables(results: list[dict], padding: list[dict], header: dict, path: P
         lines += ["", "| top kernels | ms | category |", "|---|---|---|"]
         for ms, cat, name in r["top"][:12]:
             lines.append(f"| `{name}` | {ms:.2f} | {cat} |")
+        if r.get("host_top"):
+            lines += [
+                "",
+                f"Host: {r['host_ms']:.1f} ms of self CPU time in ops (profiler overhead included)",
+                "",
+                "| top host ops | ms | calls |",
+                "|---|---|---|",
+            ]
+            for ms, calls, name in r["host_top"][:12]:
+                lines.append(f"| `{name}` | {ms:.2f} | {calls} |")
     path.write_text("\n".join(lines) + "\n")
 
 

@@ -6,6 +6,7 @@
 #   bash scripts/gpu_evidence.sh tests     OUT_DIR   # pytest -m gpu, file by file
 #   bash scripts/gpu_evidence.sh suite     OUT_DIR   # the same in one pytest-xdist run (faster)
 #   bash scripts/gpu_evidence.sh pytest    OUT_DIR ARGS...  # one pytest run with these arguments
+#   bash scripts/gpu_evidence.sh cmd       OUT_DIR NAME SECS CMD...  # any command, logged as NAME
 #   bash scripts/gpu_evidence.sh kernels   OUT_DIR   # bench_rope / glu / rmsnorm / loss
 #   bash scripts/gpu_evidence.sh attention OUT_DIR   # bench_attention, all cases and head configs
 #   bash scripts/gpu_evidence.sh e2e       OUT_DIR   # bench_e2e: 1B table + step profiles
@@ -106,6 +107,10 @@ suite)
 pytest)
     shift 2
     step "pytest_${HF_VARLEN_STEP_NAME:-args}" "${HF_VARLEN_STEP_TIMEOUT:-540}" python3 -m pytest "$@"
+    ;;
+cmd)  # cmd OUT_DIR NAME SECONDS CMD...: any command in this environment (a diagnostic)
+    shift 2
+    step "$@"
     ;;
 kernels)
     step bench_rope 150 python3 scripts/bench_rope.py --json "$out/rope.json"
