@@ -133,6 +133,21 @@ def test_matches_reference_bf16(backend, case):
     )
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_chunk_computes_dw_in_one_matmul(monkeypatch, dtype):
+    """All rows in one chunk: dW is the single matmul HF's head does, in the weight's dtype (no
+    fp32 accumulator); more chunks accumulate in fp32 (_accumulate_wgrad)."""
+    calls = []
+    real = chunks._accumulate_wgrad
+    monkeypatch.setattr(chunks, "_accumulate_wgrad", lambda *a: calls.append(1) or real(*a))
+    h, w, b, y = _inputs(n=64, hidden=32, vocab=500, bias=True, seed=2)
+    op = {"backend": "torch"}
+    _check_against_reference(h, w, b, y, dtype, kwargs={}, op_kwargs={**op, "chunk_size": 64})
+    assert calls == []
+    _check_against_reference(h, w, b, y, dtype, kwargs={}, op_kwargs={**op, "chunk_size": 24})
+    assert len(calls) == 3
+
+
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_batched_hidden_and_int32_labels(backend):
     h, w, b, y = _inputs(lead=(3, 11), bias=True)
@@ -365,3 +380,21 @@ def test_gpu_peak_memory_is_chunk_sized():
     budget = chunk * vocab * 2 + vocab * hidden * 6 + n * hidden * 2 + (64 << 20)
     assert extra <= budget, f"peak extra {extra / 2**30:.2f} GiB > budget {budget / 2**30:.2f} GiB"
     assert extra < n * vocab * 2  # less than the bf16 logits alone
+
+
+@pytest.mark.gpu
+def test_gpu_one_chunk_has_no_fp32_accumulator():
+    """All tokens in one chunk (batch-8/32 packs): dW is written in bf16 by one matmul; the V x H
+    fp32 accumulator (here 0.5 GiB) is never allocated."""
+    n, hidden, vocab = 2048, 1024, 128256
+    h = torch.randn(n, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(vocab, hidden, device="cuda") * 0.02).bfloat16().requires_grad_()
+    y = torch.randint(0, vocab, (n,), device="cuda")
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fused_linear_cross_entropy(h, w, y, chunk_size=n).backward()
+    extra = torch.cuda.max_memory_allocated() - base
+    # chunk logits + dW (bf16) + dh (+ 64 MiB of slack), no 4 V H bytes of accumulator
+    budget = n * vocab * 2 + vocab * hidden * 2 + n * hidden * 2 + (64 << 20)
+    assert extra <= budget, f"peak extra {extra / 2**30:.2f} GiB > budget {budget / 2**30:.2f} GiB"

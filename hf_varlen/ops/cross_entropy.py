@@ -25,11 +25,13 @@ count them, refused inside a CUDA-graph capture):
     logits = h_c @ W^T (+ b)                      cuBLAS, into one reused (C, V) buffer
     row kernel: lse, loss_t, and dloss/dx written IN PLACE over the logits (fp32 math)
     dh_c  = dlogits @ W                            cuBLAS, straight into the (N, H) output
-    dW   += dlogits^T @ h_c                        fp32 accumulator (see below)
+    dW   += dlogits^T @ h_c                        fp32 accumulator (see below; one chunk: dW
+                                                   is that one matmul, in the weight's dtype)
     db   += sum_rows(dlogits)
 
 so every gradient is computed during the forward and the backward only scales by grad_output. Extra
-peak memory is C x V (the buffer) + V x H fp32 (dW accumulator) + N x H (dh), never N x V.
+peak memory is C x V (the buffer) + V x H fp32 (dW accumulator, when N > C) + N x H (dh), never
+N x V.
 
 Why the dW accumulator is fp32: HF computes dW with one matmul over all N tokens, so it is rounded
 to bf16 once. Accumulating per-chunk products in bf16 would add one bf16 rounding per chunk (error

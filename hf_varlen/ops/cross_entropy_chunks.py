@@ -166,7 +166,13 @@ def linear_ce_chunks(
 
     loss = torch.empty(n_rows, dtype=torch.float32, device=hidden.device)
     dh = torch.empty_like(hidden) if need_dh else None
-    dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_dw else None
+    # One chunk: dW is one matmul over all rows, as HF's head computes it (cuBLAS accumulates in
+    # fp32 and rounds once), written in the weight's dtype: no V x H fp32 accumulator, no zero-fill,
+    # no final cast (at V 152K x H 2048: 1.2 GB less memory and ~3.7 GB less traffic per step).
+    one_chunk = 0 < n_rows <= chunk and hidden.dtype == weight.dtype
+    dw = None
+    if need_dw and not one_chunk:
+        dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
     db = torch.zeros(vocab, dtype=torch.float32, device=weight.device) if need_db else None
     buf = torch.empty(min(chunk, n_rows), vocab, dtype=hidden.dtype, device=hidden.device)
     w_t = weight.t()
@@ -189,7 +195,9 @@ def linear_ce_chunks(
         )
         if need_dh:
             torch.mm(lg, weight, out=dh[start:stop])
-        if need_dw:
+        if need_dw and one_chunk:
+            dw = torch.mm(lg.t(), h_c)
+        elif need_dw:
             _accumulate_wgrad(dw, lg.t(), h_c)
         if need_db:
             db += lg.sum(dim=0, dtype=torch.float32)
