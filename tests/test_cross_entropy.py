@@ -149,6 +149,20 @@ def test_one_chunk_computes_dw_in_one_matmul(monkeypatch, dtype):
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_fp32_dh_is_summed_in_vocabulary_blocks(monkeypatch, backend):
+    """fp32: dh adds its products over blocks of DH_VOCAB_BLOCK_FP32 vocabulary columns (here 64
+    of 300: four whole blocks and a partial one), two chunks of rows; still the reference's."""
+    monkeypatch.setattr(chunks, "DH_VOCAB_BLOCK_FP32", 64)
+    h, w, b, y = _inputs(bias=True, seed=3)
+    op = {"chunk_size": 24, "backend": backend}
+    _check_against_reference(h, w, b, y, torch.float32, kwargs={}, op_kwargs=op)
+    g = torch.randn(5, 300, dtype=torch.float64).float()
+    out = torch.empty(5, 16)
+    chunks._dlogits_times_weight(g, w.float(), out)
+    torch.testing.assert_close(out.double(), g.double() @ w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_batched_hidden_and_int32_labels(backend):
     h, w, b, y = _inputs(lead=(3, 11), bias=True)
     _check_against_reference(

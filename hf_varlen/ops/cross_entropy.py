@@ -24,7 +24,9 @@ count them, refused inside a CUDA-graph capture):
 
     logits = h_c @ W^T (+ b)                      cuBLAS, into one reused (C, V) buffer
     row kernel: lse, loss_t, and dloss/dx written IN PLACE over the logits (fp32 math)
-    dh_c  = dlogits @ W                            cuBLAS, straight into the (N, H) output
+    dh_c  = dlogits @ W                            cuBLAS, straight into the (N, H) output (fp32:
+                                                   summed over blocks of 16K vocabulary columns,
+                                                   cross_entropy_chunks.DH_VOCAB_BLOCK_FP32)
     dW   += dlogits^T @ h_c                        fp32 accumulator (see below; one chunk: dW
                                                    is that one matmul, in the weight's dtype)
     db   += sum_rows(dlogits)

@@ -31,6 +31,13 @@ _CHUNK_BYTES = {"cuda": 1 << 30}
 _CHUNK_BYTES_DEFAULT = 1 << 26
 
 
+# fp32 inputs: dh sums its V products in blocks of this many vocabulary columns, each block's
+# product added into the fp32 output. One K = V cuBLAS GEMM in fp32 loses ~1e-6 relative at V 152K
+# on an H200 (60x what its inputs' rounding costs), and propagated through the model that made our
+# fp32 gradients ~3x noisier than a vocab-tiled head such as TRL's (tests/test_trl_fused_loss.py).
+# In bf16/fp16 the output's own rounding (2^-9) dwarfs that, so one GEMM is kept there.
+DH_VOCAB_BLOCK_FP32 = 16384
+
 # ----------------------------------------------------------------------------------------------
 # Row step launchers (tensor in/out, no autograd): Triton (cross_entropy_kernel.py) and pure
 # torch, same contract
@@ -134,6 +141,18 @@ def _accumulate_wgrad(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> No
         acc.add_(torch.mm(a, b))
 
 
+def _dlogits_times_weight(g: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
+    """out (C, H) = g (C, V) @ weight (V, H); in fp32 blockwise over V (DH_VOCAB_BLOCK_FP32)."""
+    vocab = weight.shape[0]
+    block = DH_VOCAB_BLOCK_FP32
+    if g.dtype != torch.float32 or vocab <= block:
+        torch.mm(g, weight, out=out)
+        return
+    torch.mm(g[:, :block], weight[:block], out=out)
+    for v0 in range(block, vocab, block):
+        out.addmm_(g[:, v0 : v0 + block], weight[v0 : v0 + block])
+
+
 def default_chunk_size(n_rows: int, vocab: int, dtype: torch.dtype, device: torch.device) -> int:
     """Chunk rows C (a multiple of 256) so the (C, V) logits buffer fits a per-device budget."""
     budget = _CHUNK_BYTES.get(device.type, _CHUNK_BYTES_DEFAULT)
@@ -194,7 +213,7 @@ def linear_ce_chunks(
             row_scale=scale_c,
         )
         if need_dh:
-            torch.mm(lg, weight, out=dh[start:stop])
+            _dlogits_times_weight(lg, weight, dh[start:stop])
         if need_dw and one_chunk:
             dw = torch.mm(lg.t(), h_c)
         elif need_dw:
