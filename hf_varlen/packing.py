@@ -63,6 +63,7 @@ __all__ = [
     "TokenBudgetBatchSampler",
     "bucket_ladder",
     "pack_by_tokens",
+    "rank_imbalance",
 ]
 
 STRATEGIES = ("bfd", "ffd", "sequential")
@@ -108,6 +109,15 @@ class PackingResult:
     batches: list[list[int]]
     batch_tokens: list[int]
     stats: PackingStats
+
+
+def rank_imbalance(tokens: Any) -> float:
+    """``max / mean`` of the per-rank token counts of one step (1.0: perfectly balanced; also for
+    one rank or a step without tokens). The slowest rank sets a synchronous step's time, so
+    ``rank_imbalance - 1`` is the share of the step the other ranks wait, at equal tokens/s."""
+    counts = np.asarray(tokens, dtype=np.float64).reshape(-1)
+    mean = counts.mean() if counts.size else 0.0
+    return float(counts.max() / mean) if mean > 0 else 1.0
 
 
 def bucket_ladder(
@@ -365,6 +375,12 @@ class _DealtBatchSampler(Sampler[list[int]]):
             groups = groups[rng.permutation(len(groups))]
             groups = np.take_along_axis(groups, rng.random(groups.shape).argsort(axis=1), axis=1)
         return groups
+
+    def rank_tokens(self) -> np.ndarray:
+        """``[len(self), num_replicas]`` tokens of every rank's batch in this epoch's order (0 for
+        an empty slot); the same on all ranks, so the balance needs no communication."""
+        tokens = np.asarray([*self.batch_tokens, 0], dtype=np.int64)  # id -1 -> the 0
+        return tokens[self.step_batches()]
 
     def __iter__(self) -> Iterator[list[int]]:
         for b in self.step_batches()[:, self.rank].tolist():

@@ -424,3 +424,26 @@ def test_alpaca_packing_efficiency(shared_data):
     ]
     assert len({len(r) for r in per_rank}) == 1
     assert sorted(i for r in per_rank for b in r for i in b) == list(range(len(lengths)))
+
+
+def test_rank_tokens_and_imbalance():
+    """rank_tokens: every rank's batch tokens per slot in the epoch's order (0 for an empty slot),
+    the same table on every rank; rank_imbalance: max / mean of one step's per-rank tokens."""
+    from hf_varlen.packing import rank_imbalance
+
+    lengths = [500, 450, 400, 300, 250, 90, 80, 40]
+    samplers = [
+        TokenBudgetBatchSampler(lengths, 512, shuffle=True, seed=3, num_replicas=2, rank=r)
+        for r in range(2)
+    ]
+    for epoch in (0, 1):
+        for s in samplers:
+            s.set_epoch(epoch)
+        table = samplers[0].rank_tokens()
+        assert table.shape == (len(samplers[0]), 2)
+        assert (table == samplers[1].rank_tokens()).all()
+        for r, s in enumerate(samplers):
+            assert table[:, r].tolist() == [sum(lengths[i] for i in b) for b in s]
+    assert (table == 0).sum() == 1  # 5 batches on 2 ranks: one empty slot
+    assert rank_imbalance([300, 100]) == 1.5
+    assert rank_imbalance([7]) == 1.0 and rank_imbalance([0, 0]) == 1.0

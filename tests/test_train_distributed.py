@@ -121,6 +121,21 @@ def test_two_processes_equal_one(tmp_path):
         assert a["eval_tokens"] == b["eval_tokens"]
         assert b["eval_loss"] == pytest.approx(a["eval_loss"], rel=1e-6)
 
+    # The rank balance: per step max / mean of the ranks' real tokens, from the dealt batches.
+    sampler = TokenBudgetBatchSampler(TRAIN_LENGTHS, BUDGET, shuffle=False, num_replicas=2)
+    table = sampler.rank_tokens()
+    per_step = [table[i % len(table)] for i in range(len(steps2))]  # accumulation 1, 5 steps
+    for rec, tokens in zip(steps2, per_step, strict=True):
+        assert rec["real_tokens"] == tokens.sum()
+        assert rec["rank_imbalance"] == pytest.approx(tokens.max() / tokens.mean())
+    assert all("rank_imbalance" not in r for r in steps1)
+    ranks = json.loads((two / "summary.json").read_text())["ranks"]
+    assert sum(ranks["real_tokens"]) == sum(r["real_tokens"] for r in steps2)
+    assert ranks["real_tokens"] == [int(sum(t[r] for t in per_step)) for r in range(2)]
+    assert len(ranks["peak_mem_gib"]) == 2 and min(ranks["peak_mem_gib"]) > 0
+    assert ranks["imbalance_worst"] == max(r["rank_imbalance"] for r in steps2)
+    assert json.loads((one / "summary.json").read_text())["ranks"] is None
+
     w1 = load_file(one / "final" / "model.safetensors")
     w2 = load_file(two / "final" / "model.safetensors")
     assert w1.keys() == w2.keys()

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 from ..coverage import check_pending_offsets
 from ..ops.common import env_flag
-from ..packing import ExampleCountBatchSampler, TokenBudgetBatchSampler
+from ..packing import ExampleCountBatchSampler, TokenBudgetBatchSampler, rank_imbalance
 from . import checkpoint as ckpt
 from .compiling import ModelCompiler, check_compile
 from .config import TENSORBOARD_DIR, TrainConfig
@@ -220,6 +220,7 @@ class PackedTrainer:
         records = load_records(cfg.dataset, cfg)
         self.format = detect_format(records, cfg, cfg.dataset)
         self.skipped_records = records.skipped
+        self.rank_real_tokens = 0  # this rank's real tokens trained in this process (the summary)
         examples = tokenize(records, self.format, self.tokenizer, cfg)
         self.train_ex, self.eval_ex = split_eval(examples, cfg.eval_split, cfg.seed)
         if cfg.eval_dataset:
@@ -430,6 +431,7 @@ class PackedTrainer:
             grad_norm = self.acc.clip_grad_norm_(self.model.parameters(), max_norm)
             loss_value = float(loss)
         real = [b for b in batches if not b.dummy]
+        self.rank_real_tokens += sum(b.real_tokens for b in real)
         # Reduced before the update, so every rank takes the same decision on a non-finite step.
         totals = self._reduce(
             [
@@ -539,9 +541,15 @@ class PackedTrainer:
             while st.step < self.total_steps:
                 self.sampler.set_epoch(st.epoch)
                 slots = list(self.sampler)
+                # Every rank's tokens per slot (the sampler is the same on all ranks): the step's
+                # balance without communication.
+                per_rank = self.sampler.rank_tokens() if self.acc.num_processes > 1 else None
                 while st.micro < len(slots) and st.step < self.total_steps:
                     group = slots[st.micro : st.micro + cfg.grad_accum]
                     counts = self.train_step(group)
+                    if per_rank is not None:
+                        rows = per_rank[st.micro : st.micro + len(group)]
+                        counts["rank_imbalance"] = rank_imbalance(rows.sum(axis=0))
                     st.micro += len(group)
                     st.step += 1
                     if counts["skipped"]:
@@ -616,6 +624,29 @@ class PackedTrainer:
             ),
         }
 
+    def _ranks_summary(self, records: list[dict[str, Any]]) -> dict[str, Any] | None:
+        """Several processes: each rank's real tokens (this process's steps) and peak memory, and
+        the per-step imbalance (max / mean real tokens over ranks). A collective: all ranks."""
+        if self.acc.num_processes == 1:
+            return None
+        peak = max((r["peak_mem_gib"] for r in records), default=0.0)
+        mine = torch.tensor([[float(self.rank_real_tokens), peak]], device=self.device)
+        tokens, peaks = zip(*self.acc.gather(mine).tolist(), strict=True)
+        imbalance = [r["rank_imbalance"] for r in records if "rank_imbalance" in r]
+        mean = sum(imbalance) / len(imbalance) if imbalance else 1.0
+        worst = max(imbalance, default=1.0)
+        return {
+            "real_tokens": [int(t) for t in tokens],
+            "peak_mem_gib": list(peaks),
+            "imbalance_mean": mean,
+            "imbalance_worst": worst,
+            "text": (
+                f"{len(tokens)} processes: real tokens per rank {[int(t) for t in tokens]}, "
+                f"imbalance (max / mean real tokens of a step over ranks) mean {mean:.3f}, worst "
+                f"{worst:.3f}; peak memory per rank {', '.join(f'{p:.2f}' for p in peaks)} GiB"
+            ),
+        }
+
     def graphs_summary(self) -> dict[str, Any] | None:
         """--cuda-graphs in the summary: what was captured, or why auto left graphs off."""
         if self.cfg.cuda_graphs == "off":
@@ -666,6 +697,7 @@ class PackedTrainer:
             compile=self.compiler.summary(run_log.records),
             cuda_graphs=self.graphs_summary(),
             static_shapes=self._static_summary(run_log.records),
+            ranks=self._ranks_summary(run_log.records),
         )
         if self.acc.is_main_process:
             import json

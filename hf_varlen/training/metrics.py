@@ -297,6 +297,8 @@ def format_summary(s: dict[str, Any]) -> str:
         "(budget fill)",
         f"  memory      peak {s['peak_mem_gib']:.2f} GiB ({mem_kind})",
     ]
+    if s.get("ranks"):
+        lines.append(f"  ranks       {s['ranks']['text']}")
     if s.get("static_shapes"):
         lines.append(f"  shapes      {s['static_shapes']['text']}")
     if s.get("compile"):
