@@ -21,6 +21,8 @@
 #                                  shape remain after the capture steps
 #                                  (HF_VARLEN_GRAPH_MODES, HF_VARLEN_BATCH_SIZES)
 #   bash scripts/gpu_evidence.sh coverage  OUT_DIR   # bench_coverage_check: the eager offsets check
+#   bash scripts/gpu_evidence.sh multigpu  OUT_DIR   # bench_multigpu: 1 process vs DDP vs FSDP2
+#                                  (1B shape, 16K tokens per rank; needs a machine of >= 2 GPUs)
 #   bash scripts/gpu_evidence.sh lora      OUT_DIR   # bench_e2e: LoRA r=16 vs full, B8 and B32
 #                                                     (needs the peft wheel among the carried ones)
 #
@@ -173,6 +175,12 @@ lora)
         --plots-dir "$out/lora" --tokenizer "$data/qwen2" --alpaca "$data/alpaca_5000.json" \
         --lima "$data/lima.json" --modes minimal_varlen,minimal_varlen-lora,hf_varlen,hf_varlen-lora \
         --batch-sizes 32,8 --steps 15 --warmup 5 --timeout 120
+    ;;
+multigpu)  # a machine with HF_VARLEN_PROCESSES GPUs (default 2): 1 process vs DDP vs FSDP2
+    step bench_multigpu 580 python3 scripts/bench_multigpu.py \
+        --processes "${HF_VARLEN_PROCESSES:-2}" --model llama-1b --tokenizer "$data/qwen2" \
+        --dataset "$data/alpaca_5000.json" --tokens-per-batch 16384 --steps 30 \
+        --out "$out/multigpu" --timeout 160
     ;;
 coverage)
     step bench_coverage_check 150 python3 scripts/bench_coverage_check.py --layers 16 \

@@ -1,0 +1,221 @@
+"""Scaling of ``hf-varlen train`` over the processes of one machine: one process vs DDP vs FSDP2.
+
+    python scripts/bench_multigpu.py --processes 2 --model llama-1b --tokenizer TOK \\
+        --dataset alpaca_5000.json --tokens-per-batch 16384 --steps 30 --out runs/multigpu
+
+Runs, each a real ``hf-varlen train`` (accelerate-launched when several processes):
+
+    single        1 process, --grad-accum N: the global batch of N micro-batches per step
+    ddp           N processes (--ddp-config, default scripts/accelerate/ddp.yaml), --grad-accum 1
+    single-mixed  as single with --precision bf16-mixed: FSDP2's precision (fp32 sharded weights,
+                  bf16 compute; scripts/accelerate/fsdp2.yaml), so fsdp2's losses have a reference
+    fsdp2         N processes (--fsdp2-config), --grad-accum 1
+
+All with --no-shuffle: the sampler deals its fixed order of packs to the ranks, so step s of an
+N-process run trains on exactly the packs of step s of the one-process run with accumulation N
+(tests/test_train_distributed.py), and the per-step losses must agree (to rounding in fp32, to
+bf16 tolerance in bf16; the table gives the largest relative difference). Per run: tokens/s (all
+processes), tokens/s per process, scaling efficiency (tokens/s / (N x the one-process run's of the
+same precision), skipping step 1 as the summary does), peak memory per rank, and the rank
+imbalance (max / mean real tokens of a step over the ranks, from the trainer's summary).
+Writes ``results.json`` and ``multigpu.md`` (the table, with the run header) under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+RUNS = ("single", "ddp", "single-mixed", "fsdp2")
+REFERENCE = {"ddp": "single", "fsdp2": "single-mixed"}  # whose losses and tokens/s a run meets
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def command(name: str, args, out_dir: Path) -> list[str]:
+    """The ``hf-varlen train`` command line of run ``name``."""
+    n = args.processes
+    train = [
+        "train",
+        "--max-steps",
+        str(args.steps),
+        "--tokens-per-batch",
+        str(args.tokens_per_batch),
+        "--max-length",
+        str(args.max_length),
+        "--grad-accum",
+        str(n if name.startswith("single") else 1),
+        "--no-shuffle",
+        "--no-progress",
+        "--no-save-final",
+        "--overwrite-output-dir",
+        "--output-dir",
+        str(out_dir),
+        "--model",
+        args.model,
+        "--dataset",
+        args.dataset,
+        *(["--tokenizer", args.tokenizer] if args.tokenizer else []),
+        *(["--precision", "bf16-mixed"] if name == "single-mixed" else []),
+        *args.train_args,
+    ]
+    if name.startswith("single"):
+        return [sys.executable, "-m", "hf_varlen.cli", *train]
+    config = args.ddp_config if name == "ddp" else args.fsdp2_config
+    launch = ["--config_file", config, "--num_processes", str(n)]
+    launch += ["--main_process_port", str(_free_port())]
+    return [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        *launch,
+        "-m",
+        "hf_varlen.cli",
+    ] + train
+
+
+def run_one(name: str, args, out: Path) -> dict:
+    """Train run ``name``; its summary and per-step losses, or a status saying why not."""
+    run_dir = out / name
+    cmd = command(name, args, run_dir)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(
+            cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout
+        )
+    except subprocess.TimeoutExpired:
+        return {"name": name, "status": f"timeout after {args.timeout:.0f} s"}
+    (out / f"{name}.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0 or not (run_dir / "summary.json").exists():
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        return {"name": name, "status": f"error (rc {proc.returncode}): " + " | ".join(tail)}
+    summary = json.loads((run_dir / "summary.json").read_text())
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    return {
+        "name": name,
+        "status": "ok",
+        "seconds": time.perf_counter() - t0,
+        "processes": summary["processes"],
+        "tokens_per_s": summary["tokens_per_s"],
+        "peak_mem_gib": summary["peak_mem_gib"],
+        "ranks": summary.get("ranks"),
+        "losses": [r["loss"] for r in steps],
+        "real_tokens": [r["real_tokens"] for r in steps],
+        "command": " ".join(cmd[cmd.index("train") :]),
+    }
+
+
+def compare(results: dict[str, dict]) -> None:
+    """Add scaling efficiency and the loss gap against each multi-process run's reference."""
+    for name, ref_name in REFERENCE.items():
+        r, ref = results.get(name), results.get(ref_name)
+        if not (r and ref and r["status"] == ref["status"] == "ok"):
+            continue
+        r["scaling_efficiency"] = r["tokens_per_s"] / (r["processes"] * ref["tokens_per_s"])
+        r["same_tokens"] = r["real_tokens"] == ref["real_tokens"]
+        gaps = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(r["losses"], ref["losses"])]
+        r["max_rel_loss_gap"] = max(gaps, default=0.0)
+
+
+def table(results: dict[str, dict], header: dict) -> str:
+    head = " | ".join(f"{k}: {v}" for k, v in header.items())
+    lines = [
+        f"Header: `{head}`",
+        "",
+        "| run | processes | tokens/s | per process | scaling efficiency | peak GiB per rank | "
+        "rank imbalance mean / worst | max loss gap vs reference | same tokens |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in results.items():
+        if r["status"] != "ok":
+            lines.append(f"| {name} | {r['status']} | | | | | | | |")
+            continue
+        ranks = r.get("ranks") or {}
+        peaks = ranks.get("peak_mem_gib") or [r["peak_mem_gib"]]
+        imb = f"{ranks['imbalance_mean']:.3f} / {ranks['imbalance_worst']:.3f}" if ranks else "-"
+        eff = f"{r['scaling_efficiency']:.3f}" if "scaling_efficiency" in r else "-"
+        gap = (
+            f"{r['max_rel_loss_gap']:.2e} (vs {REFERENCE[name]})"
+            if "max_rel_loss_gap" in r
+            else "-"
+        )
+        same = {True: "yes", False: "no"}.get(r.get("same_tokens"), "-")
+        lines.append(
+            f"| {name} | {r['processes']} | {r['tokens_per_s']:,.0f} | "
+            f"{r['tokens_per_s'] / r['processes']:,.0f} | {eff} | "
+            f"{', '.join(f'{p:.2f}' for p in peaks)} | {imb} | {gap} | {same} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--processes", type=int, default=2)
+    p.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {RUNS}")
+    p.add_argument("--model", default="tiny-llama")
+    p.add_argument("--tokenizer", default=None)
+    p.add_argument("--dataset", default="builtin")
+    p.add_argument("--max-length", type=int, default=1024)
+    p.add_argument("--tokens-per-batch", type=int, default=16384, help="per rank and micro-batch")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--ddp-config", default=str(ROOT / "scripts" / "accelerate" / "ddp.yaml"))
+    p.add_argument("--fsdp2-config", default=str(ROOT / "scripts" / "accelerate" / "fsdp2.yaml"))
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
+    p.add_argument("--out", default="runs/multigpu")
+    p.add_argument(
+        "train_args", nargs="*", help="more hf-varlen train flags for every run (after --)"
+    )
+    args = p.parse_args(argv)
+    runs = [r for r in args.runs.split(",") if r]
+    if unknown := [r for r in runs if r not in RUNS]:
+        p.error(f"--runs: unknown {unknown}; known: {list(RUNS)}")
+    if args.processes < 2:
+        p.error(f"--processes {args.processes}: scaling needs at least 2")
+    args.runs = runs
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    from bench_common import run_header
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    header = run_header(processes=args.processes, model=args.model, steps=args.steps)
+    results: dict[str, dict] = {}
+    for name in args.runs:
+        results[name] = run_one(name, args, out)
+        r = results[name]
+        done = f"{r['tokens_per_s']:,.0f} tokens/s" if r["status"] == "ok" else r["status"]
+        print(f"{name}: {done}", flush=True)
+    compare(results)
+    (out / "results.json").write_text(json.dumps({"header": header, "runs": results}, indent=1))
+    text = table(results, header)
+    (out / "multigpu.md").write_text(text)
+    print(text, flush=True)
+    failed = [n for n, r in results.items() if r["status"] != "ok"]
+    if failed:
+        raise SystemExit(f"runs that did not finish: {failed} (logs in {out})")
+    return results
+
+
+if __name__ == "__main__":
+    main()

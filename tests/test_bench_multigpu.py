@@ -1,0 +1,52 @@
+"""scripts/bench_multigpu.py on the CPU: one process with accumulation 2 vs two gloo processes
+(the DDP run with scripts/accelerate/cpu_2proc.yaml), a tiny Llama on the built-in data, fp32."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import bench_multigpu  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+def test_two_cpu_processes_scale_and_match(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    results = bench_multigpu.main(
+        [
+            "--runs",
+            "single,ddp",
+            "--ddp-config",
+            str(ROOT / "scripts" / "accelerate" / "cpu_2proc.yaml"),
+            "--tokens-per-batch",
+            "256",
+            "--max-length",
+            "256",
+            "--steps",
+            "3",
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    single, ddp = results["single"], results["ddp"]
+    assert single["status"] == ddp["status"] == "ok", (single["status"], ddp["status"])
+    assert single["processes"] == 1 and ddp["processes"] == 2
+    assert ddp["same_tokens"] and len(ddp["losses"]) == 3
+    assert ddp["max_rel_loss_gap"] < 1e-5  # the same packs each step, fp32
+    assert ddp["scaling_efficiency"] > 0
+    assert len(ddp["ranks"]["peak_mem_gib"]) == 2 and ddp["ranks"]["imbalance_worst"] >= 1.0
+    text = (tmp_path / "multigpu.md").read_text()
+    assert "| ddp | 2 |" in text and "(vs single)" in text and "Header:" in text
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(SystemExit):
+        bench_multigpu.parse_args(["--runs", "single,tp"])
+    with pytest.raises(SystemExit):
+        bench_multigpu.parse_args(["--processes", "1"])
