@@ -370,3 +370,16 @@ def test_default_run_via_cli(tmp_path):
         assert (out / png).stat().st_size > 1000
     assert (out / "final" / "model.safetensors").exists()
     print(f"default run: {summary['wall_time_s']:.1f} s, {summary['tokens_per_s']:.0f} tokens/s")
+
+
+def test_loss_and_norm_are_read_together_exactly():
+    """The step reads its loss and gradient norm in one device read; the values are exactly
+    float() of each, whatever the norm's dtype; a norm that is not a plain tensor passes through."""
+    from hf_varlen.training.loop import _read_loss_and_norm
+
+    loss = torch.tensor(2.7182817459106445, dtype=torch.float32) / 3
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        norm = torch.tensor(1.2345678901234567, dtype=dtype)
+        got = _read_loss_and_norm(loss, norm)
+        assert got == (float(loss), float(norm)) and all(type(v) is float for v in got)
+    assert _read_loss_and_norm(loss, None) == (float(loss), None)

@@ -94,6 +94,16 @@ def _step_loss(model, inputs: dict[str, Any], n_items, loss_kwargs: bool, **extr
     return ce / n_items
 
 
+def _read_loss_and_norm(loss: torch.Tensor, grad_norm: Any) -> tuple[float, Any]:
+    """(loss, grad norm) as Python floats in one device read instead of two syncs (fp64 holds
+    either dtype exactly). A norm that is not a plain tensor on the loss's device (None, a
+    DTensor) is returned as it is."""
+    if type(grad_norm) is torch.Tensor and grad_norm.device == loss.device:
+        loss_value, norm = torch.stack([loss.double(), grad_norm.double().reshape(())]).tolist()
+        return loss_value, norm
+    return float(loss), grad_norm
+
+
 def _to_device(inputs: dict[str, Any], device: torch.device) -> dict[str, Any]:
     return {
         k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
@@ -381,10 +391,12 @@ class PackedTrainer:
             logger.info(text)
 
     def _reduce(self, values: list[float]) -> list[float]:
+        """``values`` summed over the processes (one process: as given, with no device round trip,
+        which would wait for the queued GPU work: a sync the step does not need)."""
+        if self.acc.num_processes == 1:
+            return [float(v) for v in values]
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        if self.acc.num_processes > 1:
-            t = self.acc.reduce(t, reduction="sum")
-        return t.tolist()
+        return self.acc.reduce(t, reduction="sum").tolist()
 
     def _micro_step(self, mb: MicroBatch, n_items, sync: bool) -> torch.Tensor:
         inputs = self.compiler.mark(_to_device(mb.inputs, self.device))
@@ -429,7 +441,7 @@ class PackedTrainer:
                     loss += mb_loss
             max_norm = self.cfg.max_grad_norm or math.inf
             grad_norm = self.acc.clip_grad_norm_(self.model.parameters(), max_norm)
-            loss_value = float(loss)
+            loss_value, grad_norm = _read_loss_and_norm(loss, grad_norm)
         real = [b for b in batches if not b.dummy]
         self.rank_real_tokens += sum(b.real_tokens for b in real)
         # Reduced before the update, so every rank takes the same decision on a non-finite step.
