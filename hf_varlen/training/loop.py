@@ -68,6 +68,7 @@ from .model import (
     resolve_precision,
     scope_backend,
 )
+from .run_summary import data_text, ranks_summary, static_shapes_summary
 
 logger = logging.getLogger("hf_varlen.training")
 CONFIG_FILE = "config.yaml"  # in --output-dir
@@ -610,55 +611,6 @@ class PackedTrainer:
         run_log.message(f"step {st.step}: eval loss {result['eval_loss']:.4f}")
         return record
 
-    def _static_summary(self, records: list[dict[str, Any]]) -> dict[str, Any] | None:
-        """--static-shapes numbers: the shapes that ran (all ranks) and the padding they cost."""
-        if not self.bucket_counts:
-            return None
-        buckets = list(self.bucket_counts)
-        counts = [int(c) for c in self._reduce([float(self.bucket_counts[b]) for b in buckets])]
-        used = [b for b, c in zip(buckets, counts, strict=True) if c]
-        held = sum(r["tensor_tokens"] for r in records)
-        extra = held - sum(r["real_tokens"] for r in records)
-        share = extra / held if held else 0.0
-        m = self.sampler.max_documents
-        return {
-            "buckets": buckets,
-            "max_documents": m,
-            "shapes": used,
-            "micro_batches_per_shape": [c for c in counts if c],
-            "distinct_shapes": len(used),
-            "extra_tokens": extra,
-            "extra_share": share,
-            "text": (
-                f"{len(used)} distinct shape(s) of {len(buckets)} buckets ([1, T] with T in "
-                f"{used}; cu_seq_lens of {m + 2}), padding {share:.1%} of the tokens computed "
-                f"({extra:,} extra tokens)"
-            ),
-        }
-
-    def _ranks_summary(self, records: list[dict[str, Any]]) -> dict[str, Any] | None:
-        """Several processes: each rank's real tokens (this process's steps) and peak memory, and
-        the per-step imbalance (max / mean real tokens over ranks). A collective: all ranks."""
-        if self.acc.num_processes == 1:
-            return None
-        peak = max((r["peak_mem_gib"] for r in records), default=0.0)
-        mine = torch.tensor([[float(self.rank_real_tokens), peak]], device=self.device)
-        tokens, peaks = zip(*self.acc.gather(mine).tolist(), strict=True)
-        imbalance = [r["rank_imbalance"] for r in records if "rank_imbalance" in r]
-        mean = sum(imbalance) / len(imbalance) if imbalance else 1.0
-        worst = max(imbalance, default=1.0)
-        return {
-            "real_tokens": [int(t) for t in tokens],
-            "peak_mem_gib": list(peaks),
-            "imbalance_mean": mean,
-            "imbalance_worst": worst,
-            "text": (
-                f"{len(tokens)} processes: real tokens per rank {[int(t) for t in tokens]}, "
-                f"imbalance (max / mean real tokens of a step over ranks) mean {mean:.3f}, worst "
-                f"{worst:.3f}; peak memory per rank {', '.join(f'{p:.2f}' for p in peaks)} GiB"
-            ),
-        }
-
     def graphs_summary(self) -> dict[str, Any] | None:
         """--cuda-graphs in the summary: what was captured, or why auto left graphs off."""
         if self.cfg.cuda_graphs == "off":
@@ -670,22 +622,8 @@ class PackedTrainer:
 
     def _finish(self, run_log: RunLogger, evals: list[dict[str, Any]]) -> dict[str, Any]:
         cfg = self.cfg
-        source = (
-            "built-in synthetic instructions"
-            if cfg.dataset == "builtin"
-            else f"{cfg.dataset} ({self.format})"
-        )
-        data = (
-            f"{source}, {len(self.train_ex)} train / "
-            f"{len(self.eval_ex) if self.eval_ex else 0} eval examples, max_length "
-            f"{cfg.max_length}, "
-            + (
-                f"{cfg.batch_size} examples"
-                if cfg.batch_size is not None
-                else f"{cfg.token_budget} tokens"
-            )
-            + f" per micro-batch x {cfg.grad_accum}"
-        )
+        n_eval = len(self.eval_ex) if self.eval_ex else 0
+        data = data_text(cfg, self.format, len(self.train_ex), n_eval)
         summary = summarize(
             run_log.records,
             evals,
@@ -708,8 +646,10 @@ class PackedTrainer:
             env=environment(self.device),
             compile=self.compiler.summary(run_log.records),
             cuda_graphs=self.graphs_summary(),
-            static_shapes=self._static_summary(run_log.records),
-            ranks=self._ranks_summary(run_log.records),
+            static_shapes=static_shapes_summary(
+                self.bucket_counts, self._reduce, run_log.records, self.sampler.max_documents
+            ),
+            ranks=ranks_summary(self.acc, self.device, self.rank_real_tokens, run_log.records),
         )
         if self.acc.is_main_process:
             import json

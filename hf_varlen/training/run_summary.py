@@ -1,0 +1,94 @@
+"""The parts of the end-of-run summary that need more than the step records.
+
+``data_text``: one line saying what was trained on. ``static_shapes_summary``: with
+``--static-shapes``, the bucket shapes that ran (over all ranks) and the padding they cost.
+``ranks_summary``: with several processes, each rank's real tokens and peak memory and the per-step
+rank imbalance. The whole-run numbers from the step records are ``metrics.summarize``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .config import TrainConfig
+
+
+def data_text(cfg: TrainConfig, data_format: str, n_train: int, n_eval: int) -> str:
+    source = (
+        "built-in synthetic instructions"
+        if cfg.dataset == "builtin"
+        else f"{cfg.dataset} ({data_format})"
+    )
+    per_batch = (
+        f"{cfg.batch_size} examples" if cfg.batch_size is not None else f"{cfg.token_budget} tokens"
+    )
+    return (
+        f"{source}, {n_train} train / {n_eval} eval examples, max_length {cfg.max_length}, "
+        f"{per_batch} per micro-batch x {cfg.grad_accum}"
+    )
+
+
+def static_shapes_summary(
+    bucket_counts: dict[int, int],
+    reduce: Callable[[list[float]], list[float]],
+    records: list[dict[str, Any]],
+    max_documents: int,
+) -> dict[str, Any] | None:
+    """--static-shapes numbers (None without): ``bucket_counts`` this rank's micro-batches per
+    bucket, ``reduce`` the sum over processes (a collective: every rank calls it)."""
+    if not bucket_counts:
+        return None
+    buckets = list(bucket_counts)
+    counts = [int(c) for c in reduce([float(bucket_counts[b]) for b in buckets])]
+    used = [b for b, c in zip(buckets, counts, strict=True) if c]
+    held = sum(r["tensor_tokens"] for r in records)
+    extra = held - sum(r["real_tokens"] for r in records)
+    share = extra / held if held else 0.0
+    m = max_documents
+    return {
+        "buckets": buckets,
+        "max_documents": m,
+        "shapes": used,
+        "micro_batches_per_shape": [c for c in counts if c],
+        "distinct_shapes": len(used),
+        "extra_tokens": extra,
+        "extra_share": share,
+        "text": (
+            f"{len(used)} distinct shape(s) of {len(buckets)} buckets ([1, T] with T in "
+            f"{used}; cu_seq_lens of {m + 2}), padding {share:.1%} of the tokens computed "
+            f"({extra:,} extra tokens)"
+        ),
+    }
+
+
+def ranks_summary(
+    acc, device: torch.device, rank_real_tokens: int, records: list[dict[str, Any]]
+) -> dict[str, Any] | None:
+    """Several processes (None for one): each rank's real tokens (``rank_real_tokens``: this
+    process's steps) and peak memory, gathered from every rank (a collective: all ranks call it),
+    and the per-step imbalance (max / mean real tokens over ranks, ``rank_imbalance`` of the
+    records)."""
+    if acc.num_processes == 1:
+        return None
+    peak = max((r["peak_mem_gib"] for r in records), default=0.0)
+    # fp64: token counts stay exact far past fp32's 2^24
+    mine = torch.tensor([[float(rank_real_tokens), peak]], dtype=torch.float64, device=device)
+    tokens, peaks = zip(*acc.gather(mine).tolist(), strict=True)
+    tokens = [int(t) for t in tokens]
+    imbalance = [r["rank_imbalance"] for r in records if "rank_imbalance" in r]
+    mean = sum(imbalance) / len(imbalance) if imbalance else 1.0
+    worst = max(imbalance, default=1.0)
+    return {
+        "real_tokens": tokens,
+        "peak_mem_gib": list(peaks),
+        "imbalance_mean": mean,
+        "imbalance_worst": worst,
+        "text": (
+            f"{len(tokens)} processes: real tokens per rank {tokens}, imbalance (max / mean real "
+            f"tokens of a step over ranks) mean {mean:.3f}, worst {worst:.3f}; peak memory per "
+            f"rank {', '.join(f'{p:.2f}' for p in peaks)} GiB"
+        ),
+    }
