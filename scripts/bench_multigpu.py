@@ -93,7 +93,7 @@ def run_one(name: str, args, out: Path) -> dict:
     cmd = command(name, args, run_dir)
     env = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
     }
     t0 = time.perf_counter()
     try:
