@@ -20,6 +20,10 @@ TINY += ["--no-progress", "--no-save-final"]
 
 @pytest.mark.parametrize("tracker, package", [("tensorboard", "tensorboard"), ("wandb", "wandb")])
 def test_missing_tracker_package_is_a_usage_error(tmp_path, capsys, monkeypatch, tracker, package):
+    # accelerate lists the installed trackers when accelerate.tracking is first imported: that
+    # must not happen under the patch below (it would hide tensorboard from later tests).
+    import accelerate.tracking  # noqa: F401
+
     real = importlib.util.find_spec
     hidden = {"tensorboard", "tensorboardX", "wandb"}
     monkeypatch.setattr(
@@ -38,6 +42,20 @@ def test_unknown_tracker_is_refused(capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["train", "--report-to", "tensorbored"])
     assert exit_info.value.code == 2 and "--report-to" in capsys.readouterr().err
+
+
+def test_a_tracker_accelerate_drops_is_an_error_not_a_warning(tmp_path, monkeypatch, capsys):
+    """The package is importable but accelerate did not list it: refused, not silently untracked."""
+    pytest.importorskip("tensorboard")
+    import accelerate.tracking
+
+    monkeypatch.setattr(accelerate.tracking, "_available_trackers", [])
+    code = cli.main(
+        ["train", "--output-dir", str(tmp_path / "run"), *TINY, "--report-to", "tensorboard"]
+    )
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "--report-to tensorboard: accelerate found no such tracker installed" in err
 
 
 def test_tensorboard_gets_every_logged_step(tmp_path):

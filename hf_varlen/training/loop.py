@@ -194,6 +194,7 @@ class PackedTrainer:
         # CUDA, cpu=True makes torchrun-launched processes (LOCAL_RANK set) use gloo.
         trackers = {}
         if cfg.report_to != "none":  # accelerate's trackers; validate() checked the package
+            from accelerate.tracking import get_available_trackers
             from accelerate.utils import ProjectConfiguration
 
             logging_dir = os.path.join(cfg.output_dir, TENSORBOARD_DIR)
@@ -207,6 +208,13 @@ class PackedTrainer:
             cpu=_cpu_requested(),
             **trackers,
         )
+        if trackers and not self.acc.log_with:
+            # accelerate drops a tracker it did not find when it was imported, with a warning.
+            raise ImportError(
+                f"--report-to {cfg.report_to}: accelerate found no such tracker installed "
+                f"(its list: {[str(t) for t in get_available_trackers()]}); install it in this "
+                "environment or drop --report-to"
+            )
         self.device = self.acc.device
         self.precision = "bf16-mixed" if mixed else resolve_precision(cfg, self.device)
         # --cuda-graphs on that cannot be honoured raises here, before anything is loaded.
@@ -595,13 +603,27 @@ class PackedTrainer:
                 ckpt.save_checkpoint(self.acc, cfg.output_dir, st)
         finally:
             run_log.close()
-            if cfg.report_to != "none":
-                self.acc.end_training()
+            # Only the trackers stop here: the export and the summary's gather still need the
+            # process group (accelerate's end_training would destroy it).
+            for tracker in self.acc.trackers:
+                tracker.finish()
         if cfg.save_final:
             ckpt.export_model(
                 self.acc, self.model, self.tokenizer, os.path.join(cfg.output_dir, "final")
             )
-        return self._finish(run_log, evals)
+        summary = self._finish(run_log, evals)
+        self._end_process_group()
+        return summary
+
+    def _end_process_group(self) -> None:
+        """Destroy the process group once every rank is through the summary.
+
+        A gloo/NCCL group left for interpreter exit to tear down can abort a rank
+        ("terminate called without an active exception", SIGABRT) after a run that succeeded.
+        """
+        if self.acc.num_processes > 1 and torch.distributed.is_initialized():
+            self.acc.wait_for_everyone()
+            self.acc.state.destroy_process_group()
 
     def _eval_record(self, run_log: RunLogger, st: ckpt.RunState) -> dict[str, Any]:
         result = self.evaluate()
