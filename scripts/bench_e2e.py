@@ -402,7 +402,56 @@ def profile_step(trainer, run: dict) -> dict:
         "top": [(us / 1e3, cat, name[:100]) for us, cat, name in kernels[:25]],
         "host_ms": sum(us for us, _, _ in host) / 1e3,
         "host_top": [(us / 1e3, n, name[:100]) for us, n, name in host[:25]],
+        **python_profile(trainer, slots, run["warmup"] + 1),
         "recompile_reasons": recompile_reasons(),
+    }
+
+
+def _short(path: str) -> str:
+    """The last two parts of a source path (``torch/_dynamo/eval_frame.py`` -> ``_dynamo/..``)."""
+    return "/".join(Path(path).parts[-2:])
+
+
+PYTHON_STEPS = 5  # steps under cProfile: enough to average, few enough for a short cell
+
+
+def python_profile(trainer, slots: list, first: int) -> dict:
+    """Where the host's Python time goes in ``PYTHON_STEPS`` more steps, under cProfile only.
+
+    torch.profiler sees ops, not the Python between them (a compiled graph's guards and runtime
+    wrappers, our op wrappers, the trainer's bookkeeping); this is the other half. cProfile adds a
+    cost per Python call, so compare modes with each other. Per step: wall ms, and the top
+    functions by own time (ms per step, calls per step, where)."""
+    import cProfile
+    import pstats
+
+    import torch
+
+    groups = [[slots[(first + i) % len(slots)]] for i in range(PYTHON_STEPS)]
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    for group in groups:
+        trainer.train_step(group)
+    sync()
+    prof.disable()
+    wall = time.perf_counter() - t0
+    stats = pstats.Stats(prof).stats  # (file, line, name) -> (calls, prim, tottime, cumtime, ..)
+    rows = sorted(
+        (
+            (tt, calls, f"{_short(f)}:{line}({name})")
+            for (f, line, name), (calls, _, tt, *_) in stats.items()
+        ),
+        reverse=True,
+    )
+    n = len(groups)
+    return {
+        "python_step_ms": 1e3 * wall / n,
+        "python_ms": 1e3 * sum(tt for tt, _, _ in rows) / n,
+        "python_calls": sum(c for _, c, _ in rows) / n,
+        "python_top": [(1e3 * tt / n, c / n, where[:120]) for tt, c, where in rows[:30]],
     }
 
 

@@ -136,6 +136,18 @@ def write_tables(results: list[dict], padding: list[dict], header: dict, path: P
             ]
             for ms, calls, name in r["host_top"][:12]:
                 lines.append(f"| `{name}` | {ms:.2f} | {calls} |")
+        if r.get("python_top"):
+            lines += [
+                "",
+                f"Python (cProfile, {r['python_step_ms']:.1f} ms per step with its overhead): "
+                f"{r['python_ms']:.1f} ms in Python functions' own time, "
+                f"{r['python_calls']:.0f} calls per step",
+                "",
+                "| top Python functions (own time) | ms per step | calls per step |",
+                "|---|---|---|",
+            ]
+            for ms, calls, where in r["python_top"][:15]:
+                lines.append(f"| `{where}` | {ms:.2f} | {calls:.0f} |")
     path.write_text("\n".join(lines) + "\n")
 
 

@@ -63,12 +63,17 @@ def test_modes_train_identical_examples_with_equal_losses(tmp_path):
     (profiled,) = [r for r in results if r["run"].get("profile")]
     assert profiled["status"] == "ok" and profiled["by_category_ms"]["matmul"] > 0
     assert profiled["host_ms"] > 0 and profiled["host_top"][0][1] >= 1
+    assert profiled["python_step_ms"] > 0 and profiled["python_calls"] > 100
+    top = profiled["python_top"]
+    assert len(top) == 30 and all(ms >= 0 and calls > 0 for ms, calls, _ in top)
+    assert top[0][0] >= top[-1][0]  # by own time, largest first
     saved = json.loads((tmp_path / "results.json").read_text())
     assert len(saved["results"]) == len(results) and saved["header"]["torch"] == torch.__version__
     assert {p["batch_size"]: p["padded_efficiency"] for p in saved["padding"]}[1] == 1.0
     tables = (tmp_path / "e2e_tables.md").read_text()
     assert "| 8 | " in tables and "Padding efficiency by batch size" in tables
     assert "Where one step goes" in tables and "top host ops" in tables
+    assert "top Python functions (own time)" in tables
     assert "hf_varlen: layer kernels off" in tables  # the CPU run says what it did not fuse
     for name in ("e2e_tokens_per_s", "e2e_loss_vs_step", "e2e_loss_vs_time"):
         assert (tmp_path / f"{name}_tiny-llama_builtin_L256.png").stat().st_size > 0
