@@ -66,4 +66,5 @@ def cases() -> dict[str, list[int]]:
         "128+128+4096": [128, 128, 4096],
         "32k+alpaca32k": [32768] + pack(alpaca, 32768),
         "8x8k": [8192] * 8,
+        "128k": [131072],  # one long-context document (the FA4 parity target of issue 16)
     }

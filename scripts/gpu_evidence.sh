@@ -8,7 +8,8 @@
 #   bash scripts/gpu_evidence.sh pytest    OUT_DIR ARGS...  # one pytest run with these arguments
 #   bash scripts/gpu_evidence.sh cmd       OUT_DIR NAME SECS CMD...  # any command, logged as NAME
 #   bash scripts/gpu_evidence.sh kernels   OUT_DIR   # bench_rope / glu / rmsnorm / loss
-#   bash scripts/gpu_evidence.sh attention OUT_DIR   # bench_attention, all cases and head configs
+#   bash scripts/gpu_evidence.sh attention OUT_DIR   # bench_attention: 32/8/128 on every case,
+#                                  then the other head configs on three cases
 #   bash scripts/gpu_evidence.sh e2e       OUT_DIR   # bench_e2e: 1B table + step profiles
 #   bash scripts/gpu_evidence.sh train     OUT_DIR   # hf-varlen train: packed vs padded vs accelerate
 #   bash scripts/gpu_evidence.sh trl       OUT_DIR   # bench_trl: TRL SFTTrainer, bf16, 1B shape
@@ -120,9 +121,12 @@ kernels)
     step bench_rmsnorm 120 python3 scripts/bench_rmsnorm.py --json "$out/rmsnorm.json"
     step bench_loss 170 python3 scripts/bench_loss.py --time-budget 150 --json "$out/loss.json"
     ;;
-attention)
-    step bench_attention 560 python3 scripts/bench_attention.py --heads all \
+attention)  # issue 16's target heads over every case first (its target lines), then the others
+    step bench_attention 330 python3 scripts/bench_attention.py --heads 32/8/128 \
         --json "$out/attn.json"
+    step bench_attention_heads 230 python3 scripts/bench_attention.py \
+        --heads 16/16/64,40/8/128,16/8/256 --cases alpaca64k,lima64k,32k+alpaca32k \
+        --json "$out/attn_heads.json"
     ;;
 e2e)
     step bench_e2e 560 python3 scripts/bench_e2e.py --out "$out/e2e" --plots-dir "$out/e2e" \
