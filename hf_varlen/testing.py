@@ -15,6 +15,13 @@ whose fp64 value happens to be representable) and the ``+ 0.3`` probe rounds wit
 first two terms are 0 and the rule would demand a bit-exact kernel. The floor allows what a single
 rounding to ``dtype`` at the reference's magnitude can cost (``2 * floor`` >= 1 ulp there).
 
+``dtype``: the precision the computation ran in, when that is not ``x``'s own dtype. Under
+autocast (bf16 matmuls over fp32 weights) a loss or a parameter gradient comes back in fp32, but its
+inputs were rounded to bf16: the rule's "input dtype" is bf16, and eps_rounding and the floor are
+evaluated in it. Without that, a scalar such as a loss is held to fp32 rounding plus twice one
+sample of the low-precision reference's error, which a second bf16 computation of the same value
+exceeds by chance (two independent errors of one size differ by 2x about a third of the time).
+
 For a reduction (``terms``: ``x`` is a sum or mean of that many rounded values, e.g. a loss over its
 label tokens) the floor is ``(1 + ceil(log2(terms)))`` unit roundoffs at the reference's magnitude:
 the error bound of pairwise summation (Higham, *Accuracy and Stability of Numerical Algorithms*,
@@ -53,9 +60,14 @@ def numerics_error(
     *,
     factor: float = 2.0,
     terms: int = 1,
+    dtype: torch.dtype | None = None,
 ) -> tuple[bool, str]:
     """Apply the rule; returns (passed, message with both errors and the bound). ``terms``: how
-    many rounded values ``x`` reduces (1: an elementwise result; module doc)."""
+    many rounded values ``x`` reduces (1: an elementwise result); ``dtype``: the precision ``x``
+    was computed in (default ``x.dtype``; autocast: its dtype). See the module doc."""
+    if dtype is not None and not dtype.is_floating_point:
+        raise ValueError(f"dtype: expected a floating dtype (the compute precision), got {dtype}")
+    low = dtype or x.dtype
     if x.shape != ref_hi.shape or ref_lo.shape != ref_hi.shape:
         return (
             False,
@@ -72,12 +84,13 @@ def numerics_error(
         )
     err = (xd - hi).abs().max().item()
     ref_err = (lo - hi).abs().max().item()
-    eps = rounding_eps(ref_hi.detach().cpu().float(), x.dtype)
-    floor = rounding_floor(hi, x.dtype, terms)
+    eps = rounding_eps(ref_hi.detach().cpu().float(), low)
+    floor = rounding_floor(hi, low, terms)
     bound = factor * ref_err + 2 * max(eps, floor)
     msg = (
         f"max|x - ref_hi| = {err:.3e}; max|ref_lo - ref_hi| = {ref_err:.3e}; "
-        f"eps_rounding = {eps:.3e}; floor = {floor:.3e}{f' ({terms} terms)' if terms > 1 else ''}; "
+        f"eps_rounding = {eps:.3e}; floor = {floor:.3e}{f' ({terms} terms)' if terms > 1 else ''}"
+        f"{f' (in {low})' if low != x.dtype else ''}; "
         f"bound = {factor:g}*{ref_err:.3e} + 2*max({eps:.3e}, {floor:.3e}) = {bound:.3e}"
     )
     return err <= bound, msg
@@ -91,9 +104,11 @@ def assert_numerics(
     *,
     factor: float = 2.0,
     terms: int = 1,
+    dtype: torch.dtype | None = None,
 ) -> None:
     """Raise AssertionError naming ``name`` when the rule fails (outputs: factor 2, grads: 3;
-    ``terms``: the values a reduction such as a loss sums, see the module doc)."""
-    ok, msg = numerics_error(x, ref_hi, ref_lo, factor=factor, terms=terms)
+    ``terms``: the values a reduction such as a loss sums; ``dtype``: the precision it was computed
+    in, default ``x.dtype``; see the module doc)."""
+    ok, msg = numerics_error(x, ref_hi, ref_lo, factor=factor, terms=terms, dtype=dtype)
     if not ok:
         raise AssertionError(f"{name}: {msg}")

@@ -68,3 +68,23 @@ def test_reduction_terms_must_be_positive():
 
     with pytest.raises(ValueError, match="terms: expected >= 1"):
         rounding_floor(torch.ones(1), torch.float32, terms=0)
+
+
+def test_compute_dtype_sets_eps_and_floor_for_an_autocast_result():
+    """The GPU failure of test_fused_loss_matches_sft_trainer_bf16[bfd]: an fp32 loss of a bf16
+    autocast run, 2.06x the bf16 reference's error, was held to fp32 rounding."""
+    import pytest
+
+    hi = torch.tensor(10.4210 - 0.0404, dtype=torch.float64)
+    lo = (hi + 0.01959).float()
+    x = torch.tensor(10.4210, dtype=torch.float32)
+    ok, msg = numerics_error(x, hi, lo)
+    assert not ok and "(in " not in msg  # fp32 eps: 2 x the one reference error is all it gets
+    ok, msg = numerics_error(x, hi, lo, dtype=torch.bfloat16)
+    assert ok and "(in torch.bfloat16)" in msg, msg
+    # one bf16 rounding at 10.4 (spacing 1/16) is ~0.04: the loss's own storage error in bf16
+    assert rounding_floor(hi, torch.bfloat16) == pytest.approx(2**-8 * float(hi))
+    # Still a real bound: ten bf16 spacings off fails.
+    assert not numerics_error(x + 0.625, hi, lo, dtype=torch.bfloat16)[0]
+    with pytest.raises(ValueError, match="dtype: expected a floating dtype"):
+        numerics_error(x, hi, lo, dtype=torch.int32)

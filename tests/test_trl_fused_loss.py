@@ -5,7 +5,8 @@ The same alpaca prompt-completion examples (completion_only_loss: prompt labels 
 Llama with attn "varlen_packed", padding_free and bfd packing, three optimizer steps: the
 per-step losses and the first step's gradients of every parameter follow the numerics rule
 (hf_varlen.testing) with SFTTrainer as the reference: under TRL's default bf16 mixed precision
-(CPU bf16 autocast over fp32 weights) ref_hi is SFTTrainer in fp32 and ref_lo SFTTrainer in bf16;
+(CPU bf16 autocast over fp32 weights) ref_hi is SFTTrainer in fp32 and ref_lo SFTTrainer in bf16,
+and the rule's eps and floor are bf16's (the computation's precision; hf_varlen.testing);
 in fp32 ref_hi is the same SFTTrainer run on an fp64 copy of the model and the loss
 computed here in fp64 from the full logits (TRL's head and HF's ForCausalLMLoss both compute in
 fp32 whatever the model's dtype; hf_varlen's fused op takes no fp64) and ref_lo SFTTrainer in fp32.
@@ -137,15 +138,17 @@ def _train(
     return losses, spy.grads, trainer
 
 
-def _check(name, x, hi, lo):
+def _check(name, x, hi, lo, dtype=None):
+    """``dtype``: the autocast precision (bf16), in which the rule's eps and floor are taken: the
+    losses and gradients come back in fp32, but were computed from bf16 matmuls."""
     t = torch.tensor
     losses, grads, _ = x
     assert len(losses) == STEPS and all(torch.isfinite(t(losses))), f"{name}: losses {losses}"
     for i, (a, b, c) in enumerate(zip(losses, hi[0], lo[0], strict=True)):
-        assert_numerics(f"{name} step {i} loss", t(a), t(b, dtype=torch.float64), t(c))
+        assert_numerics(f"{name} step {i} loss", t(a), t(b, dtype=torch.float64), t(c), dtype=dtype)
     assert grads.keys() == hi[1].keys()
     for key, g in grads.items():
-        assert_numerics(f"{name} grad {key}", g, hi[1][key], lo[1][key], factor=3)
+        assert_numerics(f"{name} grad {key}", g, hi[1][key], lo[1][key], factor=3, dtype=dtype)
 
 
 @pytest.mark.slow
@@ -162,13 +165,14 @@ def test_fused_loss_matches_sft_trainer_bf16(setup, tmp_path, mode):
     trl_lo = _train(setup, tmp_path, mode, fused=False, bf16=True)
     assert lo[0] != hi[0]  # bf16 autocast really ran
     x = _train(setup, tmp_path, mode, fused=True, bf16=True)
-    _check(f"{mode} bf16", x, hi, lo)
+    _check(f"{mode} bf16", x, hi, lo, dtype=torch.bfloat16)
     t = torch.tensor
     assert_numerics(
         f"{mode} bf16 first loss vs TRL's head",
         t(x[0][0]),
         t(hi[0][0], dtype=torch.float64),
         t(trl_lo[0][0]),
+        dtype=torch.bfloat16,
     )
     # The fused path ran (TRL's head would log entropy / mean_token_accuracy), and num_tokens is
     # TRL's count.
