@@ -53,7 +53,13 @@ def _run(tmp_path: Path, name: str, processes: int, grad_accum: int) -> Path:
 
 
 def _launch(
-    tmp_path: Path, name: str, processes: int, grad_accum: int, *extra: str, steps: int = 5
+    tmp_path: Path,
+    name: str,
+    processes: int,
+    grad_accum: int,
+    *extra: str,
+    steps: int = 5,
+    shuffle: bool = False,
 ) -> subprocess.CompletedProcess:
     out = tmp_path / name
     flags = (
@@ -67,6 +73,8 @@ def _launch(
         "--eval-dataset",
         str(tmp_path / "eval.json"),
     ]
+    if shuffle:  # the default sampler order (shuffled per epoch) instead
+        flags.remove("--no-shuffle")
     train = ["train", *flags, *data, "--output-dir", str(out)]
     if processes == 1:
         cmd = [sys.executable, "-m", "hf_varlen.cli", *train]
@@ -174,3 +182,30 @@ def test_two_process_checkpoints_are_atomic_and_validated_per_rank(tmp_path):
     assert "fresh random states" in proc.stderr
     steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").open() if '"loss"' in x]
     assert steps == [1, 2, 3, 4, 5, 6]
+
+
+def test_two_process_resume_continues_identically(tmp_path):
+    """Checkpoint at step 4 of 2 ranks, resume to step 7: the same per-step losses, gradient norms
+    and final weights as the uninterrupted run (shuffled sampler across an epoch boundary, Adam
+    state, per-rank random states)."""
+    (tmp_path / "train.json").write_text(json.dumps(_texts(TRAIN_LENGTHS)))
+    (tmp_path / "eval.json").write_text(json.dumps(_texts(EVAL_LENGTHS)))
+    adam = ("--optim", "adamw", "--lr", "0.01")
+    straight = _launch(tmp_path, "straight", 2, 1, *adam, steps=7, shuffle=True)
+    assert straight.returncode == 0, straight.stderr[-5000:]
+    part = _launch(tmp_path, "resumed", 2, 1, *adam, "--save-every", "4", steps=4, shuffle=True)
+    assert part.returncode == 0, part.stderr[-5000:]
+    flags = (*adam, "--resume", "latest")
+    resumed = _launch(tmp_path, "resumed", 2, 1, *flags, steps=7, shuffle=True)
+    assert resumed.returncode == 0, resumed.stderr[-5000:]
+    assert "checkpoint-4 at step 4" in resumed.stderr
+
+    (a, _), (b, _) = _log(tmp_path / "straight"), _log(tmp_path / "resumed")
+    assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, 8))
+    for x, y in zip(a, b, strict=True):
+        assert (x["real_tokens"], x["label_tokens"]) == (y["real_tokens"], y["label_tokens"])
+        assert y["loss"] == x["loss"] and y["grad_norm"] == x["grad_norm"], (x, y)
+    w1 = load_file(tmp_path / "straight" / "final" / "model.safetensors")
+    w2 = load_file(tmp_path / "resumed" / "final" / "model.safetensors")
+    for k in w1:
+        torch.testing.assert_close(w2[k], w1[k], rtol=0, atol=0)
