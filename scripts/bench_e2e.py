@@ -403,8 +403,54 @@ def profile_step(trainer, run: dict) -> dict:
         "host_ms": sum(us for us, _, _ in host) / 1e3,
         "host_top": [(us / 1e3, n, name[:100]) for us, n, name in host[:25]],
         **python_profile(trainer, slots, run["warmup"] + 1),
+        **sync_points(trainer, slots[(run["warmup"] + 1 + PYTHON_STEPS) % len(slots)]),
         "recompile_reasons": recompile_reasons(),
     }
+
+
+SYNC_WARNING = "called a synchronizing CUDA operation"
+
+
+def sync_points(trainer, slot) -> dict:
+    """Where one more step waits for the GPU: torch's sync debug mode warns at every implicit
+    host-device synchronisation (``.item()``, a blocking copy, ``nonzero``); each is recorded with
+    the Python frames that caused it. A hidden sync mid-step stops the host from running ahead of
+    the GPU, which a host-bound step pays for in full. Empty without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        syncs = capture_syncs(lambda: trainer.train_step([slot]))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return {"sync_points": syncs}
+
+
+def capture_syncs(fn) -> list[tuple[int, str]]:
+    """Run ``fn``; (count, innermost Python frames) per distinct place that raised the sync-debug
+    warning, most frequent first."""
+    import traceback
+    import warnings
+
+    counts: dict[str, int] = {}
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if SYNC_WARNING not in str(message):
+            return
+        frames = [
+            f for f in traceback.extract_stack()[:-1] if not f.filename.endswith("warnings.py")
+        ]
+        where = " < ".join(f"{_short(f.filename)}:{f.lineno}({f.name})" for f in frames[::-1][:4])
+        counts[where] = counts.get(where, 0) + 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        fn()
+    return sorted(((n, where) for where, n in counts.items()), reverse=True)
 
 
 def _short(path: str) -> str:

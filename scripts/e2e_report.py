@@ -148,6 +148,10 @@ def write_tables(results: list[dict], padding: list[dict], header: dict, path: P
             ]
             for ms, calls, where in r["python_top"][:15]:
                 lines.append(f"| `{where}` | {ms:.2f} | {calls:.0f} |")
+        if r.get("sync_points") is not None:
+            total = sum(n for n, _ in r["sync_points"])
+            lines += ["", f"Host-device syncs in one step (sync debug mode): {total}", ""]
+            lines += [f"- {n} x `{where}`" for n, where in r["sync_points"][:10]]
     path.write_text("\n".join(lines) + "\n")
 
 

@@ -258,3 +258,19 @@ def test_report_writes_the_gpu_busy_table(tmp_path):
     text = out.read_text()
     assert "GPU busy (device kernel time / wall time" in text
     assert "| 8 | 42% | - |" in text and "| 32 | 86% | - |" in text
+
+
+def test_capture_syncs_counts_each_place_with_its_frames():
+    import warnings
+
+    def step():
+        for _ in range(3):
+            warnings.warn(bench_e2e.SYNC_WARNING, stacklevel=1)  # as torch's sync debug mode
+        warnings.warn(bench_e2e.SYNC_WARNING, stacklevel=1)
+        warnings.warn("an unrelated warning", stacklevel=1)
+
+    syncs = bench_e2e.capture_syncs(step)
+    assert [n for n, _ in syncs] == [3, 1]
+    assert all("test_bench_e2e.py" in where and "(step)" in where for _, where in syncs)
+    if not torch.cuda.is_available():
+        assert bench_e2e.sync_points(None, None) == {}  # nothing to watch without CUDA
