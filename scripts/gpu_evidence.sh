@@ -162,10 +162,17 @@ baseline)  # HF_VARLEN_BASELINE="attn" runs only the attention comparison (defau
     ;;
 compile)  # one batch size per call: the four B32 cells took 434 s (two 1B-shape compiles)
     modes=${HF_VARLEN_COMPILE_MODES:-minimal_varlen,minimal_varlen-compile,hf_varlen,hf_varlen-compile}
+    batches=${HF_VARLEN_BATCH_SIZES:-32}
+    # HF_VARLEN_PROFILE_MODES: also profile these modes at the first batch size (op profile,
+    # cProfile of 5 steps, the step's host-device syncs)
+    profile=()
+    if [ -n "${HF_VARLEN_PROFILE_MODES:-}" ]; then
+        profile=(--profile --profile-batch "${batches%%,*}" --profile-modes "$HF_VARLEN_PROFILE_MODES")
+    fi
     step bench_e2e_compile 560 python3 scripts/bench_e2e.py --out "$out/compile" \
         --plots-dir "$out/compile" --tokenizer "$data/qwen2" --alpaca "$data/alpaca_5000.json" \
-        --lima "$data/lima.json" --modes "$modes" --batch-sizes "${HF_VARLEN_BATCH_SIZES:-32}" \
-        --steps 15 --warmup 5 --timeout 240
+        --lima "$data/lima.json" --modes "$modes" --batch-sizes "$batches" \
+        --steps 15 --warmup 5 --timeout 240 "${profile[@]}"
     ;;
 graphs)
     modes=minimal_varlen,hf_varlen,hf_varlen-graphs,hf_varlen-compile-graphs
