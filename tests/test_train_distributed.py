@@ -209,3 +209,18 @@ def test_two_process_resume_continues_identically(tmp_path):
     w2 = load_file(tmp_path / "resumed" / "final" / "model.safetensors")
     for k in w1:
         torch.testing.assert_close(w2[k], w1[k], rtol=0, atol=0)
+
+
+def test_two_processes_with_a_tracker_export_and_summarise(tmp_path):
+    """--report-to with 2 ranks: the trackers stop after the loop, but the process group lives on
+    for the final export and the summary's gather (accelerate's end_training destroyed it first)."""
+    pytest.importorskip("tensorboard")
+    (tmp_path / "train.json").write_text(json.dumps(_texts(TRAIN_LENGTHS)))
+    (tmp_path / "eval.json").write_text(json.dumps(_texts(EVAL_LENGTHS)))
+    proc = _launch(tmp_path, "tb", 2, 1, "--report-to", "tensorboard", steps=3)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    run = tmp_path / "tb"
+    assert (run / "final" / "model.safetensors").is_file()
+    assert list((run / "tensorboard").rglob("events.out.tfevents.*"))
+    ranks = json.loads((run / "summary.json").read_text())["ranks"]
+    assert len(ranks["real_tokens"]) == 2
