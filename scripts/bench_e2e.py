@@ -45,7 +45,9 @@ per-step losses against ``padded_sdpa`` (same examples, same order).
 Outputs (``--out``): ``results.json`` (streamed after every run), ``e2e_tables.md`` (the tables for
 docs/BENCHMARKS.md), PNGs in ``--plots-dir`` (tokens/s vs batch size per mode, padding efficiency
 vs batch size, loss vs step and vs wall-clock packed vs padded), and with ``--profile`` one
-profiled step per model (``profile_<model>.md``: device time by category and the top kernels).
+profiled step per model and profile mode in ``e2e_tables.md``: device time by category, the top
+kernels and host ops (torch.profiler), the top Python functions of 5 more steps (cProfile: the host
+time between ops), and the host-device syncs of one more step with the frames that caused them.
 
     python scripts/bench_e2e.py --out runs/e2e --plots-dir docs          # the table
     python scripts/bench_e2e.py --models qwen3-8b --layers 8 --batch-sizes 32,128
