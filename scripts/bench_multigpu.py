@@ -114,6 +114,7 @@ def run_one(name: str, args, out: Path) -> dict:
         "status": "ok",
         "seconds": time.perf_counter() - t0,
         "processes": summary["processes"],
+        "distribution": summary.get("distribution", "-"),  # what really ran: DDP / FSDP2 over ..
         "tokens_per_s": summary["tokens_per_s"],
         "peak_mem_gib": summary["peak_mem_gib"],
         "ranks": summary.get("ranks"),
@@ -140,13 +141,14 @@ def table(results: dict[str, dict], header: dict) -> str:
     lines = [
         f"Header: `{head}`",
         "",
-        "| run | processes | tokens/s | per process | scaling efficiency | peak GiB per rank | "
-        "rank imbalance mean / worst | max loss gap vs reference | same tokens |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| run | processes | distribution | tokens/s | per process | scaling efficiency | "
+        "peak GiB per rank | rank imbalance mean / worst | max loss gap vs reference | "
+        "same tokens |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
         if r["status"] != "ok":
-            lines.append(f"| {name} | {r['status']} | | | | | | | |")
+            lines.append(f"| {name} | {r['status']} | | | | | | | | |")
             continue
         ranks = r.get("ranks") or {}
         peaks = ranks.get("peak_mem_gib") or [r["peak_mem_gib"]]
@@ -159,7 +161,7 @@ def table(results: dict[str, dict], header: dict) -> str:
         )
         same = {True: "yes", False: "no"}.get(r.get("same_tokens"), "-")
         lines.append(
-            f"| {name} | {r['processes']} | {r['tokens_per_s']:,.0f} | "
+            f"| {name} | {r['processes']} | {r['distribution']} | {r['tokens_per_s']:,.0f} | "
             f"{r['tokens_per_s'] / r['processes']:,.0f} | {eff} | "
             f"{', '.join(f'{p:.2f}' for p in peaks)} | {imb} | {gap} | {same} |"
         )

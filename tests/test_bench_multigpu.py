@@ -42,7 +42,8 @@ def test_two_cpu_processes_scale_and_match(tmp_path, monkeypatch):
     assert ddp["scaling_efficiency"] > 0
     assert len(ddp["ranks"]["peak_mem_gib"]) == 2 and ddp["ranks"]["imbalance_worst"] >= 1.0
     text = (tmp_path / "multigpu.md").read_text()
-    assert "| ddp | 2 |" in text and "(vs single)" in text and "Header:" in text
+    assert single["distribution"] == "one process" and ddp["distribution"] == "DDP over gloo"
+    assert "| ddp | 2 | DDP over gloo |" in text and "(vs single)" in text and "Header:" in text
 
 
 def test_bad_arguments_are_refused():

@@ -49,6 +49,8 @@ def _run(tmp_path: Path, name: str, processes: int, grad_accum: int) -> Path:
     proc = _launch(tmp_path, name, processes, grad_accum)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert f"on {processes} x cpu" in proc.stdout, proc.stdout[-2000:]
+    want = "DDP over gloo" if processes > 1 else "one process"
+    assert json.loads((tmp_path / name / "summary.json").read_text())["distribution"] == want
     return tmp_path / name
 
 
@@ -60,6 +62,7 @@ def _launch(
     *extra: str,
     steps: int = 5,
     shuffle: bool = False,
+    accelerate_config: Path | None = None,
 ) -> subprocess.CompletedProcess:
     out = tmp_path / name
     flags = (
@@ -79,7 +82,7 @@ def _launch(
     if processes == 1:
         cmd = [sys.executable, "-m", "hf_varlen.cli", *train]
     else:
-        config = ROOT / "scripts" / "accelerate" / "cpu_2proc.yaml"
+        config = accelerate_config or ROOT / "scripts" / "accelerate" / "cpu_2proc.yaml"
         launch = f"--config_file {config} --num_processes {processes} --main_process_port"
         cmd = [
             sys.executable,
@@ -224,3 +227,19 @@ def test_two_processes_with_a_tracker_export_and_summarise(tmp_path):
     assert list((run / "tensorboard").rglob("events.out.tfevents.*"))
     ranks = json.loads((run / "summary.json").read_text())["ranks"]
     assert len(ranks["real_tokens"]) == 2
+
+
+def test_an_fsdp_launch_accelerate_runs_unsharded_is_refused(tmp_path):
+    """On CPU accelerate turns scripts/accelerate/fsdp2.yaml into plain data parallelism (MULTI_CPU)
+    without a word; the trainer refuses it on every rank before loading anything."""
+    (tmp_path / "train.json").write_text(json.dumps(_texts(TRAIN_LENGTHS)))
+    (tmp_path / "eval.json").write_text(json.dumps(_texts(EVAL_LENGTHS)))
+    fsdp2 = ROOT / "scripts" / "accelerate" / "fsdp2.yaml"
+    config = tmp_path / "fsdp2_fp32.yaml"  # fp32: bf16 autocast is not what is tested here
+    config.write_text(fsdp2.read_text().replace("mixed_precision: bf16", "mixed_precision: 'no'"))
+    proc = _launch(tmp_path, "fsdp", 2, 1, accelerate_config=config)
+    assert proc.returncode != 0
+    for rank in (0, 1):
+        assert f"hf-varlen: error (rank {rank}): the launch asks for FSDP" in proc.stderr
+    assert "MULTI_CPU" in proc.stderr and "cpu_2proc.yaml" in proc.stderr
+    assert not (tmp_path / "fsdp").exists()  # refused before anything was written

@@ -135,6 +135,33 @@ def _default_lr(cfg: TrainConfig) -> float:
     return 1e-3 if cfg.model in PRESETS else 2e-5
 
 
+def _distribution(acc) -> str:
+    """How the processes share the work ("one process", "DDP", "FSDP2", ...), after refusing a
+    launch whose FSDP request accelerate did not honour: on CPU it sets up plain data parallelism
+    (MULTI_CPU) for an FSDP config without a word, which would train unsharded."""
+    from accelerate.utils import DistributedType
+
+    kind = acc.distributed_type
+    if env_flag("ACCELERATE_USE_FSDP") and kind != DistributedType.FSDP:
+        raise ValueError(
+            f"the launch asks for FSDP (ACCELERATE_USE_FSDP, e.g. scripts/accelerate/fsdp2.yaml) "
+            f"but accelerate set up {kind.value} on {acc.device.type}, which does not shard: FSDP "
+            "through accelerate needs GPUs. Launch CPU processes with "
+            "scripts/accelerate/cpu_2proc.yaml (data parallel), or run on GPUs"
+        )
+    if acc.num_processes == 1:
+        return "one process"
+    kind_name = (
+        f"FSDP{getattr(acc.state.fsdp_plugin, 'fsdp_version', 1)}"
+        if kind == DistributedType.FSDP
+        else "DDP"
+        if kind in (DistributedType.MULTI_GPU, DistributedType.MULTI_CPU)
+        else str(kind.value)
+    )
+    backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else None
+    return f"{kind_name} over {backend}" if backend else kind_name
+
+
 def _cpu_requested() -> bool:
     """CPU processes: no CUDA, or ``accelerate launch --cpu``. Refuses the launch that would
     silently run one process instead of several (see the hint)."""
@@ -215,6 +242,7 @@ class PackedTrainer:
                 f"(its list: {[str(t) for t in get_available_trackers()]}); install it in this "
                 "environment or drop --report-to"
             )
+        self.distribution = _distribution(self.acc)
         self.device = self.acc.device
         self.precision = "bf16-mixed" if mixed else resolve_precision(cfg, self.device)
         # --cuda-graphs on that cannot be honoured raises here, before anything is loaded.
@@ -660,6 +688,7 @@ class PackedTrainer:
             loss_impl=self.loss_impl,
             data=data,
             processes=self.acc.num_processes,
+            distribution=self.distribution,
             device=str(self.device),
             output_dir=cfg.output_dir,
             resumed_from=self.resumed_from,

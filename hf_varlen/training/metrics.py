@@ -284,7 +284,13 @@ def format_summary(s: dict[str, Any]) -> str:
         f"  loss fn     {s.get('loss_impl', 'transformers cross-entropy')}",
         f"  data        {s['data']}"
         + (f", {s['skipped_records']} bad records skipped" if s.get("skipped_records") else ""),
-        f"  run         {s['steps']} steps on {s['processes']} x {s['device']}, "
+        f"  run         {s['steps']} steps on {s['processes']} x {s['device']}"
+        + (
+            f" ({s['distribution']})"
+            if s.get("distribution", "one process") != "one process"
+            else ""
+        )
+        + ", "
         f"{s['wall_time_s']:.1f} s, {_fmt_tokens(s['real_tokens'])} tokens"
         + (f", {s['skipped_steps']} steps skipped (non-finite)" if s.get("skipped_steps") else ""),
         f"  loss        {s['loss_first']:.4f} -> {s['loss_last']:.4f} (mean of first/last 10%: "
