@@ -82,7 +82,9 @@ def _train(argv: list[str]) -> dict:
 
     try:
         with logging_redirect_tqdm():  # log lines go above the progress bar, not through it
-            return trainer.run()
+            summary = trainer.run()
+        trainer.close()  # this process trains nothing more: end its process group
+        return summary
     except Exception as exc:
         raise _Failure(exc, FAILURE) from exc
 

@@ -243,3 +243,34 @@ def test_an_fsdp_launch_accelerate_runs_unsharded_is_refused(tmp_path):
         assert f"hf-varlen: error (rank {rank}): the launch asks for FSDP" in proc.stderr
     assert "MULTI_CPU" in proc.stderr and "cpu_2proc.yaml" in proc.stderr
     assert not (tmp_path / "fsdp").exists()  # refused before anything was written
+
+
+_TWICE = """
+import json, sys
+from hf_varlen.training import PackedTrainer, TrainConfig
+
+out = []
+for i in range(2):
+    cfg = TrainConfig(dataset=sys.argv[1], tokens_per_batch=512, max_length=512, max_steps=2,
+                      progress=False, save_final=False, output_dir=sys.argv[2] + str(i))
+    trainer = PackedTrainer(cfg)
+    out.append(trainer.run()["distribution"])
+trainer.close()
+print("RUNS", json.dumps(out))
+"""
+
+
+def test_two_trainers_in_one_launched_script(tmp_path):
+    """The Python API under `accelerate launch`: run() leaves the process group to the script
+    (a second trainer trains on it), close() ends it."""
+    (tmp_path / "train.json").write_text(json.dumps(_texts(TRAIN_LENGTHS)))
+    script = tmp_path / "twice.py"
+    script.write_text(_TWICE)
+    config = ROOT / "scripts" / "accelerate" / "cpu_2proc.yaml"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
+    cmd += ["--num_processes", "2", "--main_process_port", str(_free_port()), str(script)]
+    cmd += [str(tmp_path / "train.json"), str(tmp_path / "run")]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    assert 'RUNS ["DDP over gloo", "DDP over gloo"]' in proc.stdout

@@ -639,16 +639,14 @@ class PackedTrainer:
             ckpt.export_model(
                 self.acc, self.model, self.tokenizer, os.path.join(cfg.output_dir, "final")
             )
-        summary = self._finish(run_log, evals)
-        self._end_process_group()
-        return summary
+        return self._finish(run_log, evals)
 
-    def _end_process_group(self) -> None:
-        """Destroy the process group once every rank is through the summary.
-
-        A gloo/NCCL group left for interpreter exit to tear down can abort a rank
-        ("terminate called without an active exception", SIGABRT) after a run that succeeded.
-        """
+    def close(self) -> None:
+        """End the process group of a multi-process run once every rank is through its summary;
+        for the owner of the process (``hf-varlen train`` calls it), when nothing will train in
+        this process again: a later trainer here would find no group. A gloo/NCCL group left for
+        interpreter exit to tear down can abort a rank after a run that succeeded ("terminate
+        called without an active exception", SIGABRT). A no-op for one process."""
         if self.acc.num_processes > 1 and torch.distributed.is_initialized():
             self.acc.wait_for_everyone()
             self.acc.state.destroy_process_group()
