@@ -9,6 +9,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
+import attention_targets  # noqa: E402
 import bench_attention  # noqa: E402
 from attention_cases import cases  # noqa: E402
 
@@ -23,7 +24,7 @@ def test_cases_cover_issue_16():
     assert c["32k+alpaca32k"][0] == 32768 and sum(c["32k+alpaca32k"][1:]) <= 32768
     for name in ("alpaca16k", "alpaca64k", "lima64k"):
         assert name in c and max(c[name]) < sum(c[name])  # real packs of many documents
-    assert set(bench_attention.FA4_TARGETS) <= set(c)
+    assert set(attention_targets.FA4_TARGETS) <= set(c)
     assert bench_attention.HEADS["16/8/256"] == (16, 8, 256)
 
 
@@ -39,7 +40,7 @@ def test_targets_say_met_missed_and_na():
         _row("lima64k", "fa4", 9.0, heads="16/16/64"),  # other heads: not a target row
         dict(case="128k", heads="32/8/128", provider="fa4", error="OOM"),
     ]
-    lines = bench_attention.targets(rows)
+    lines = attention_targets.targets(rows)
     assert lines[0] == "32/8/128 32k+alpaca32k: triton 1.06x FA4 (target >= 1.0x): met"
     assert "128k: triton >= 0.9x FA4: n/a" in lines[1]
     assert "lima64k: triton >= 1.3x FA4: n/a" in lines[2]

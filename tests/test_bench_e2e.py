@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import bench_e2e  # noqa: E402
+import e2e_host_profile  # noqa: E402
 
 COMMON = ["--models", "tiny-llama", "--data", "builtin", "--tokenizer", "bytes"]
 COMMON += ["--max-lengths", "256", "--steps", "4", "--warmup", "1"]
@@ -265,12 +266,12 @@ def test_capture_syncs_counts_each_place_with_its_frames():
 
     def step():
         for _ in range(3):
-            warnings.warn(bench_e2e.SYNC_WARNING, stacklevel=1)  # as torch's sync debug mode
-        warnings.warn(bench_e2e.SYNC_WARNING, stacklevel=1)
+            warnings.warn(e2e_host_profile.SYNC_WARNING, stacklevel=1)  # as torch's sync debug mode
+        warnings.warn(e2e_host_profile.SYNC_WARNING, stacklevel=1)
         warnings.warn("an unrelated warning", stacklevel=1)
 
-    syncs = bench_e2e.capture_syncs(step)
+    syncs = e2e_host_profile.capture_syncs(step)
     assert [n for n, _ in syncs] == [3, 1]
     assert all("test_bench_e2e.py" in where and "(step)" in where for _, where in syncs)
     if not torch.cuda.is_available():
-        assert bench_e2e.sync_points(None, None) == {}  # nothing to watch without CUDA
+        assert e2e_host_profile.sync_points(None, None) == {}  # nothing to watch without CUDA

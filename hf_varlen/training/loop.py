@@ -39,7 +39,6 @@ import torch
 import torch.nn.functional as F
 
 from ..coverage import check_pending_offsets
-from ..ops.common import env_flag
 from ..packing import ExampleCountBatchSampler, TokenBudgetBatchSampler, rank_imbalance
 from . import checkpoint as ckpt
 from .compiling import ModelCompiler, check_compile
@@ -54,6 +53,7 @@ from .data import (
     tokenize,
 )
 from .graphs import GraphedStep, resolve_graphs
+from .launch import cpu_requested, distribution
 from .metrics import RunLogger, environment, format_summary, peak_flops, plot_runs, summarize
 from .model import (
     apply_kernels,
@@ -135,51 +135,6 @@ def _default_lr(cfg: TrainConfig) -> float:
     return 1e-3 if cfg.model in PRESETS else 2e-5
 
 
-def _distribution(acc) -> str:
-    """How the processes share the work ("one process", "DDP", "FSDP2", ...), after refusing a
-    launch whose FSDP request accelerate did not honour: on CPU it sets up plain data parallelism
-    (MULTI_CPU) for an FSDP config without a word, which would train unsharded."""
-    from accelerate.utils import DistributedType
-
-    kind = acc.distributed_type
-    if env_flag("ACCELERATE_USE_FSDP") and kind != DistributedType.FSDP:
-        raise ValueError(
-            f"the launch asks for FSDP (ACCELERATE_USE_FSDP, e.g. scripts/accelerate/fsdp2.yaml) "
-            f"but accelerate set up {kind.value} on {acc.device.type}, which does not shard: FSDP "
-            "through accelerate needs GPUs. Launch CPU processes with "
-            "scripts/accelerate/cpu_2proc.yaml (data parallel), or run on GPUs"
-        )
-    if acc.num_processes == 1:
-        return "one process"
-    kind_name = (
-        f"FSDP{getattr(acc.state.fsdp_plugin, 'fsdp_version', 1)}"
-        if kind == DistributedType.FSDP
-        else "DDP"
-        if kind in (DistributedType.MULTI_GPU, DistributedType.MULTI_CPU)
-        else str(kind.value)
-    )
-    backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else None
-    return f"{kind_name} over {backend}" if backend else kind_name
-
-
-def _cpu_requested() -> bool:
-    """CPU processes: no CUDA, or ``accelerate launch --cpu``. Refuses the launch that would
-    silently run one process instead of several (see the hint)."""
-    cpu = env_flag("ACCELERATE_USE_CPU") or not torch.cuda.is_available()
-    single = not any(
-        os.environ.get(k) for k in ("LOCAL_RANK", "WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE")
-    )
-    if env_flag("ACCELERATE_USE_CPU") and os.environ.get("MASTER_ADDR") and single:
-        raise ValueError(
-            "`accelerate launch --cpu --num_processes N` (N > 1) starts only ONE process unless "
-            "it runs under mpirun, so this would not be a multi-process run. Launch CPU "
-            "processes with torchrun instead: `accelerate launch --multi_gpu --num_processes N "
-            "...` or `--config_file scripts/accelerate/cpu_2proc.yaml` (hf_varlen uses gloo "
-            "when there is no GPU)"
-        )
-    return cpu
-
-
 class NonFiniteError(RuntimeError):
     """A step's loss or gradient norm was NaN/inf (``--on-nonfinite stop``, the default)."""
 
@@ -232,7 +187,7 @@ class PackedTrainer:
         self.acc = Accelerator(
             mixed_precision="bf16" if mixed else "no",
             step_scheduler_with_optimizer=False,
-            cpu=_cpu_requested(),
+            cpu=cpu_requested(),
             **trackers,
         )
         if trackers and not self.acc.log_with:
@@ -242,7 +197,7 @@ class PackedTrainer:
                 f"(its list: {[str(t) for t in get_available_trackers()]}); install it in this "
                 "environment or drop --report-to"
             )
-        self.distribution = _distribution(self.acc)
+        self.distribution = distribution(self.acc)
         self.device = self.acc.device
         self.precision = "bf16-mixed" if mixed else resolve_precision(cfg, self.device)
         # --cuda-graphs on that cannot be honoured raises here, before anything is loaded.
