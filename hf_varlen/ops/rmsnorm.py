@@ -114,11 +114,14 @@ def _rms_norm_bwd_kernel(
     if PREFETCH:
         # Software pipelining by hand: the next row's x, dy (kept in the input dtype) and rstd
         # load during this row's reduction and store, so two programs per SM keep HBM busy.
-        first = pid
+        # The grid does not depend on n_rows, so a program may have no row at all: it loads
+        # nothing (the address is clamped into range) and writes a zero partial row.
+        m_first = o_col < tl.where(pid < n_rows, n_cols, 0)
+        first = tl.minimum(pid, n_rows - 1)
         if LONG_INDEXING:
-            first = tl.cast(pid, tl.int64)
-        b_x_next = tl.load(X + first * stride_x_row + o_col, mask=m_col, other=0.0)
-        b_dy_next = tl.load(DY + first * stride_dy_row + o_col, mask=m_col, other=0.0)
+            first = tl.cast(first, tl.int64)
+        b_x_next = tl.load(X + first * stride_x_row + o_col, mask=m_first, other=0.0)
+        b_dy_next = tl.load(DY + first * stride_dy_row + o_col, mask=m_first, other=0.0)
         rstd_next = tl.load(RSTD + first)
     for i_row in range(pid, n_rows, n_programs):
         # (the int32 cast is a no-op, but makes row a tensor in the interpreter too)
@@ -160,18 +163,21 @@ def _block_and_warps(n_cols: int, num_warps: int | None) -> tuple[int, int]:
     return block, num_warps or max(1, min(32, block // 512))
 
 
-def _num_programs(
-    n_rows: int, device: torch.device, num_warps: int, programs_per_sm: int | None
-) -> int:
-    """Persistent grid size for the backward pass.
+def _num_programs(device: torch.device, num_warps: int, programs_per_sm: int | None) -> int:
+    """Persistent grid size for the backward pass: a constant of the device and block config.
 
     ~16 warps per SM: kernels use <= 128 registers per thread, so 2 programs of 8 warps (H = 4096)
     or 4 of 4 warps (H = 2048) are all resident at once (no partial second wave).
+    Never a function of the row count: under torch.compile the row count (the pack's tokens) is
+    symbolic, and ``min(n_rows, programs)`` guards on which side of it a pack lies, so packs on
+    both sides recompile (measured on the H200 at the 1B shape: 528 programs, and batch-8 packs of
+    487..904 tokens compiled a second graph at the first pack under 528). Programs past the last
+    row only write a zero partial row.
     """
     if device.type != "cuda":  # interpreter: a few programs still exercise the row loop
-        return max(1, min(n_rows, 4))
+        return 4
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(n_rows, sms * (programs_per_sm or max(2, 16 // num_warps))))
+    return sms * (programs_per_sm or max(2, 16 // num_warps))
 
 
 def rms_norm_forward(
@@ -240,7 +246,7 @@ def rms_norm_backward(
     dx2 = dx.view(-1, n_cols)
     weight = weight.contiguous()
     block, num_warps = _block_and_warps(n_cols, num_warps)
-    n_programs = _num_programs(n_rows, x.device, num_warps, programs_per_sm)
+    n_programs = _num_programs(x.device, num_warps, programs_per_sm)
     dw_partial = torch.empty(n_programs, n_cols, dtype=torch.float32, device=x.device)
     if long_indexing is None:
         long_indexing = _needs_long_indexing(n_rows, block, [x2.stride(0), dy2.stride(0), n_cols])
