@@ -161,7 +161,8 @@ baseline)  # HF_VARLEN_BASELINE="attn" runs only the attention comparison (defau
         done
     done
     ;;
-compile)  # one batch size per call: the four B32 cells took 434 s (two 1B-shape compiles)
+compile)  # one batch size per call: the four B32 cells took 434 s (two 1B-shape compiles); 35
+    # timed steps: the host-bound B8 step swings from run to run, 10 steps were too few
     modes=${HF_VARLEN_COMPILE_MODES:-minimal_varlen,minimal_varlen-compile,hf_varlen,hf_varlen-compile}
     batches=${HF_VARLEN_BATCH_SIZES:-32}
     # HF_VARLEN_PROFILE_MODES: also profile these modes at the first batch size (op profile,
@@ -173,7 +174,7 @@ compile)  # one batch size per call: the four B32 cells took 434 s (two 1B-shape
     step bench_e2e_compile 560 python3 scripts/bench_e2e.py --out "$out/compile" \
         --plots-dir "$out/compile" --tokenizer "$data/qwen2" --alpaca "$data/alpaca_5000.json" \
         --lima "$data/lima.json" --modes "$modes" --batch-sizes "$batches" \
-        --steps 15 --warmup 5 --timeout 240 "${profile[@]}"
+        --steps 40 --warmup 5 --timeout 240 "${profile[@]}"
     ;;
 graphs)
     modes=minimal_varlen,hf_varlen,hf_varlen-graphs,hf_varlen-compile-graphs
