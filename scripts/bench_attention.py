@@ -21,6 +21,7 @@ prompt format of ../shared/data/README.md, no special tokens), so the GPU machin
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -37,6 +38,7 @@ from attention_targets import targets  # noqa: E402
 from bench_common import run_header as header  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
+# the default run; also known: triton_fused_bwd (triton with its fused backward)
 PROVIDERS = ["triton", "torch", "flex", "fa4", "flash_attn", "sdpa_padded"]
 HEADS = {
     "32/8/128": (32, 8, 128),
@@ -68,6 +70,21 @@ def varlen_provider(name, cu, max_len):
         return hf_varlen.varlen_attention(q, k, v, cu, cu, max_len, max_len, backend=name)
 
     return fn
+
+
+@contextlib.contextmanager
+def fused_backward():
+    """Provider ``triton_fused_bwd``: triton with its fused backward (KernelConfig.bwd_fused)."""
+    import dataclasses
+
+    from hf_varlen.ops import attention
+
+    pick = attention.pick_config
+    attention.pick_config = lambda *a: dataclasses.replace(pick(*a), bwd_fused=True)
+    try:
+        yield
+    finally:
+        attention.pick_config = pick
 
 
 def padded_provider(lengths, device):
@@ -379,6 +396,21 @@ def _issued_flops(lo, hi, tile_rows, rows_per_step, step, cols, matmuls, d, prog
     return float(steps.sum()) * rows_per_step * cols * d * 2 * matmuls * programs_per_tile
 
 
+def _backward_variants_ms(s, cfg, fold_dq, fold_kv) -> dict[str, float]:
+    """The whole backward of the default config, split (the default) and fused (atomic dQ)."""
+    import dataclasses
+
+    from hf_varlen.ops.attention_bwd import attention_backward
+
+    args = (s["do"], s["q"], s["k"], s["v"], s["o"], s["lse"], s["plan"])
+    kw = dict(softmax_scale=s["scale"], softcap=0.0, fold_dq=fold_dq, fold_kv=fold_kv)
+    labels = {False: "backward split (dq + dkdv)", True: "backward fused (delta + atomic-dq dkdv)"}
+    cfgs = {label: dataclasses.replace(cfg, bwd_fused=f) for f, label in labels.items()}
+    return {
+        k: bench_ms(lambda c=c: attention_backward(*args, cfg=c, **kw)) for k, c in cfgs.items()
+    }
+
+
 def breakdown(all_cases, names, heads, dtype):
     """Per-kernel time, issued vs useful FLOPs and HBM floor of the triton backend's default config."""
     from hf_varlen.ops.attention_schedule import fold_factor, get_plan, pick_config
@@ -449,6 +481,9 @@ def breakdown(all_cases, names, heads, dtype):
                 out.append(row)
                 print(json.dumps(row), flush=True)
             out.append(dict(heads=h, case=case, kernel="plan (once per batch)", ms=times["plan"]))
+            for label, ms in _backward_variants_ms(s, cfg, f_dq, f_kv).items():
+                out.append(dict(heads=h, case=case, kernel=label, ms=ms))
+                print(f"{h} {case}: {label} {ms:.3f} ms", flush=True)
             print(
                 f"{h} {case}: plan build {times['plan']:.3f} ms (once per batch, cached across layers)"
             )
@@ -513,23 +548,26 @@ def run_case(case, lengths, heads, providers, device, dtype, check):
                         got.update(dq=unpad(qp.grad), dk=unpad(kp.grad), dv=unpad(vp.grad))
                 del qp, kp, vp, gp
             else:
-                reason = hf_varlen.backends.unavailable_reason(name)
-                if reason is not None:
-                    raise RuntimeError(reason)
-                fn = varlen_provider(name, cu, max(lengths))
-                if name == "flex":
-                    extra = f"mask build {flex_mask_build_ms(cu, total):.2f} ms"
-                fn(q, k, v)  # warm-up / compile
-                fwd, bwd, fb = time_provider(fn, q, k, v, grad)
-                got = None
-                if ref is not None:
-                    q.grad = k.grad = v.grad = None
-                    o = fn(q, k, v)
-                    got = {"out": o.detach()}
-                    if with_grads:
-                        o.backward(grad)
-                        got.update(dq=q.grad, dk=k.grad, dv=v.grad)
-                    q.grad = k.grad = v.grad = None
+                backend = "triton" if name == "triton_fused_bwd" else name
+                fused = fused_backward() if name == "triton_fused_bwd" else contextlib.nullcontext()
+                with fused:
+                    reason = hf_varlen.backends.unavailable_reason(backend)
+                    if reason is not None:
+                        raise RuntimeError(reason)
+                    fn = varlen_provider(backend, cu, max(lengths))
+                    if name == "flex":
+                        extra = f"mask build {flex_mask_build_ms(cu, total):.2f} ms"
+                    fn(q, k, v)  # warm-up / compile
+                    fwd, bwd, fb = time_provider(fn, q, k, v, grad)
+                    got = None
+                    if ref is not None:
+                        q.grad = k.grad = v.grad = None
+                        o = fn(q, k, v)
+                        got = {"out": o.detach()}
+                        if with_grads:
+                            o.backward(grad)
+                            got.update(dq=q.grad, dk=k.grad, dv=v.grad)
+                        q.grad = k.grad = v.grad = None
             row.update(
                 fwd_ms=fwd, bwd_ms=bwd, fb_ms=fb, tflops_fb=3.5 * flops / fb / 1e9, extra=extra
             )

@@ -10,6 +10,8 @@
 #   bash scripts/gpu_evidence.sh kernels   OUT_DIR   # bench_rope / glu / rmsnorm / loss
 #   bash scripts/gpu_evidence.sh attention OUT_DIR   # bench_attention: 32/8/128 on every case,
 #                                  then the other head configs on three cases
+#   bash scripts/gpu_evidence.sh attention_bwd OUT_DIR  # triton backward: split vs fused (atomic
+#                                  dQ) on every case, f+b and per kernel (no FA4 needed)
 #   bash scripts/gpu_evidence.sh e2e       OUT_DIR   # bench_e2e: 1B table + step profiles
 #   bash scripts/gpu_evidence.sh train     OUT_DIR   # hf-varlen train: packed vs padded vs accelerate
 #   bash scripts/gpu_evidence.sh trl       OUT_DIR   # bench_trl: TRL SFTTrainer, bf16, 1B shape
@@ -128,6 +130,13 @@ attention)  # issue 16's target heads over every case first (its target lines), 
     step bench_attention_heads 230 python3 scripts/bench_attention.py \
         --heads 16/16/64,40/8/128,16/8/256 --cases alpaca64k,lima64k,32k+alpaca32k \
         --json "$out/attn_heads.json"
+    ;;
+attention_bwd)  # the triton backward, split (default) vs fused (atomic dQ): every case, whole
+    # backward and per kernel; no FA4 needed
+    step bench_attention_bwd 400 python3 scripts/bench_attention.py --heads 32/8/128 \
+        --providers triton,triton_fused_bwd,torch --json "$out/attn_bwd.json"
+    step bench_attention_bwd_breakdown 150 python3 scripts/bench_attention.py --heads 32/8/128 \
+        --breakdown --json "$out/attn_bwd_breakdown.json"
     ;;
 e2e)
     step bench_e2e 560 python3 scripts/bench_e2e.py --out "$out/e2e" --plots-dir "$out/e2e" \

@@ -335,9 +335,15 @@ def test_compiled_window_and_softcap_models_match_eager(kind):
 
 
 @pytest.mark.parametrize(
-    "kind,style", [("llama", "collator"), ("mistral", "collator"), ("gemma2", "position_ids")]
+    "kind,style,backward",
+    [
+        ("llama", "collator", "split"),
+        ("mistral", "collator", "split"),
+        ("gemma2", "position_ids", "split"),
+        ("llama", "collator", "fused"),
+    ],
 )
-def test_traced_triton_path_does_not_recompile_per_pack(kind, style):
+def test_traced_triton_path_does_not_recompile_per_pack(kind, style, backward):
     """The GPU's registration of the triton ops (traced triton_op bodies: tile plan, launch code)
     on CPU with the launches stubbed out (tests/traced_triton_compile.py, a subprocess without
     TRITON_INTERPRET): over 20 varying packs at most 2 compilations, the second only for the
@@ -346,7 +352,7 @@ def test_traced_triton_path_does_not_recompile_per_pack(kind, style):
     pytest.importorskip("triton")
     from traced_triton_compile import run
 
-    (got,) = run(kind, style, "20")
+    (got,) = run(kind, style, "20", *(["fused"] if backward == "fused" else []))
     assert got["graph_breaks"] == {}, got
     assert got["compiles"] <= 2, got
     assert all("max_length" in r for r in got["recompile_reasons"]), got
@@ -383,4 +389,30 @@ def test_inductor_fullgraph_triton_backend_matches_eager_bf16(kind, style):
         steps=12,
         attn="triton",
         attn_hi="reference",  # fp32 on CUDA with every feature (the triton kernel is fp16/bf16)
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["llama", "gemma2"])
+def test_inductor_fullgraph_fused_triton_backward_matches_eager_bf16(kind, monkeypatch):
+    """The same with the fused backward (atomic dQ into an fp32 buffer, KernelConfig.bwd_fused):
+    Inductor must see the atomic kernel's mutation of that buffer (wrap_triton's analysis)."""
+    import dataclasses
+
+    from hf_varlen.ops import attention
+
+    pick = attention.pick_config
+    monkeypatch.setattr(
+        attention, "pick_config", lambda *a: dataclasses.replace(pick(*a), bwd_fused=True)
+    )
+    _train_compiled_vs_eager(
+        kind,
+        "collator",
+        "inductor",
+        device="cuda",
+        dtype=torch.bfloat16,
+        ref_hi_dtype=torch.float32,
+        steps=12,
+        attn="triton",
+        attn_hi="reference",
     )

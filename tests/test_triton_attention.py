@@ -219,6 +219,77 @@ def test_backward_bitwise_repeatable_in_every_mode(monkeypatch):
             assert torch.equal(a, b)
 
 
+@pytest.fixture
+def fused_backward(monkeypatch):
+    """Every triton attention call in the test takes the fused (atomic dQ) backward."""
+    import dataclasses
+
+    from hf_varlen.ops import attention
+
+    pick = attention.pick_config
+    monkeypatch.setattr(
+        attention,
+        "pick_config",
+        lambda *a: dataclasses.replace(pick(*a), bwd_fused=True),
+    )
+
+
+FUSED_CASES = {
+    "mixed": ([1, 2, 113], 4, 2, 32, {}),
+    "gqa8": ([11, 1, 30], 8, 1, 16, {}),
+    "noncausal": ([11, 1, 30], 6, 2, 16, dict(causal=False)),
+    "window": ([40, 3, 20], 4, 2, 16, dict(window_size=(7, 3), causal=False)),
+    "softcap": ([20, 35], 4, 2, 16, dict(softcap=0.5, softmax_scale=0.3)),
+    "head_dim80": ([9, 20], 2, 1, 80, {}),
+    "qk_lengths": ([4, 12, 0, 6], 2, 1, 16, dict(lengths_k=[9, 7, 3, 6])),
+}
+
+
+@pytest.mark.parametrize("case", FUSED_CASES)
+def test_fused_backward_matches_reference(fused_backward, case):
+    lengths, h_q, h_kv, d, kw = FUSED_CASES[case]
+    check(lengths, h_q, h_kv, d, torch.float32, **kw)
+
+
+def test_fused_backward_many_tiny_documents_fp16(fused_backward):
+    g = torch.Generator().manual_seed(1)
+    check(torch.randint(1, 5, (150,), generator=g).tolist(), 2, 1, 16, torch.float16)
+
+
+def test_deterministic_request_takes_the_split_backward(fused_backward, monkeypatch):
+    """The fused backward sums dQ with atomics; a deterministic request never gets it."""
+    from hf_varlen.ops import attention_bwd
+
+    launched = []
+    for name in ("backward_dq", "backward_delta"):
+        real = getattr(attention_bwd, name)
+        monkeypatch.setattr(
+            attention_bwd,
+            name,
+            lambda *a, _n=name, _r=real, **k: (launched.append(_n), _r(*a, **k)),
+        )
+    lengths = [21, 40, 4]
+    q, k, v = make_qkv(lengths, 4, 2, 16, torch.float32, DEVICE)
+    cu = cu_from_lengths(lengths, DEVICE)
+    g = torch.randn_like(q)
+    _run(lambda a, b, c: triton_varlen_attention(a, b, c, cu, cu, deterministic=True), q, k, v, g)
+    assert launched == ["backward_dq"]
+    launched.clear()
+    _run(lambda a, b, c: triton_varlen_attention(a, b, c, cu, cu), q, k, v, g)
+    assert launched == ["backward_delta"]
+
+
+def test_tuning_override_sets_the_fused_backward(tmp_path, monkeypatch):
+    from hf_varlen.ops import attention_schedule as sched
+
+    cfg = [128, 32, 4, 3, 16, 64, 64, 4, 2, 32, 64, 32, 4, 2, 8]
+    path = tmp_path / "cfg.json"
+    path.write_text(f'{{"128": {cfg + [1]}, "64": {cfg}}}')
+    monkeypatch.setenv("HF_VARLEN_TRITON_ATTN_CONFIG", str(path))
+    assert sched._overrides()[128].bwd_fused is True
+    assert sched._overrides()[64].bwd_fused is False
+
+
 def test_lse_is_returned():
     lengths = [6, 1, 0, 9]
     q, k, v = make_qkv(lengths, 2, 1, 16, torch.float32, DEVICE)
@@ -352,6 +423,21 @@ def test_gpu_no_recompile_across_packs():
         lengths = torch.randint(1, 700, (n_docs,), generator=g).tolist()
         step(lengths)  # varying T (odd and even), max_seqlen and document count
     assert _n_compiled() == before
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "lengths,h_q,h_kv,d,kw",
+    [
+        ([1, 2, 113, 1023, 1024, 2048], 32, 8, 128, {}),
+        ([4096], 16, 16, 64, {}),
+        ([700, 90, 1500, 1], 16, 4, 128, dict(softcap=30.0)),
+        ([700, 90, 1500, 1], 16, 4, 128, dict(window=(64, 32), causal=False)),
+        ([77, 500, 3, 1000], 8, 2, 256, {}),
+    ],
+)
+def test_gpu_fused_backward_bf16_matches_reference(fused_backward, lengths, h_q, h_kv, d, kw):
+    check_backend_against_reference("triton", lengths, h_q, h_kv, d, torch.bfloat16, "cuda", **kw)
 
 
 @pytest.mark.gpu

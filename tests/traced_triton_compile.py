@@ -9,7 +9,8 @@ and its guards matter), lets the triton backend run on CPU with the GPU's tile c
 a compiled model over varying packs with aot_eager. It prints one JSON line:
 {"compiles": n, "graph_breaks": {...}, "recompile_reasons": [...]}.
 
-    python tests/traced_triton_compile.py KIND STYLE STEPS    (run by test_compile_attention.py)
+    python tests/traced_triton_compile.py KIND STYLE STEPS [fused]   (run by test_compile_attention.py;
+        fused: the fused attention backward, KernelConfig.bwd_fused)
     python tests/traced_triton_compile.py ops                 the row ops on their own: one JSON
         line per op, {"op": name, "compiles": n, "recompile_reasons": [...]}, over token counts
         that cross the kernels' block sizes (marked dynamic from the first call: 1 compilation)
@@ -46,7 +47,7 @@ class _NoLaunch:
         return lambda *args, **kwargs: None
 
 
-def main(kind: str, style: str, steps: int) -> dict:
+def main(kind: str, style: str, steps: int, fused: bool = False) -> dict:
     torch.library.wrap_triton = lambda kernel: _NoLaunch()  # before the ops are traced
 
     import hf_varlen
@@ -58,7 +59,8 @@ def main(kind: str, style: str, steps: int) -> dict:
     from hf_varlen.ops.attention_schedule import _CUDA_CONFIGS
 
     attention_fwd.launcher = attention_bwd.launcher = lambda kernel, traceable: _NoLaunch()
-    attention.pick_config = lambda head_dim, dtype, device: _CUDA_CONFIGS[64]  # the GPU's tiles
+    gpu_tiles = dataclasses.replace(_CUDA_CONFIGS[64], bwd_fused=fused)
+    attention.pick_config = lambda head_dim, dtype, device: gpu_tiles  # the GPU's tiles
     registry._REGISTRY["triton"] = dataclasses.replace(
         registry._REGISTRY["triton"], probe=lambda: None, devices=frozenset({"cpu"}),
         dtypes=frozenset({torch.float32}),
@@ -189,4 +191,5 @@ if __name__ == "__main__":
         for row in ops():
             print(json.dumps(row))
     else:
-        print(json.dumps(main(sys.argv[1], sys.argv[2], int(sys.argv[3]))))
+        fused = sys.argv[4:] == ["fused"]
+        print(json.dumps(main(sys.argv[1], sys.argv[2], int(sys.argv[3]), fused)))

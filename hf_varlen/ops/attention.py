@@ -15,9 +15,12 @@ documents share one tile behind a block-diagonal mask, query heads of a KV group
 tile, heavy tiles are launched first, and configs depend on head_dim/dtype only, so a new pack never
 recompiles. ``max_seqlen_*`` are accepted for API compatibility and never used.
 
-Backward: a dQ kernel and a dK/dV kernel, no atomics: every mode is bitwise deterministic, so
+Backward: by default a dQ kernel and a dK/dV kernel, no atomics, so bitwise deterministic and
 ``deterministic=True`` (or FLASH_ATTENTION_DETERMINISTIC=1, or torch's deterministic algorithms)
-costs nothing. Dropout is not implemented (dropout_p > 0 raises).
+costs nothing. A config with ``bwd_fused`` (attention_schedule.KernelConfig; off in the shipped
+configs until measured) takes the FA2-style fused backward instead (atomic dQ, 5 matmuls per block
+instead of 7), except where a deterministic backward is requested. Dropout is not implemented
+(dropout_p > 0 raises).
 
 Under torch.compile the call goes through the registered ops ``torch.ops.hf_varlen.triton_attention``
 / ``triton_attention_backward`` (attention_ops.py: ``triton_op`` + ``wrap_triton``, so Inductor sees
@@ -189,8 +192,8 @@ def triton_varlen_attention(
         softcap: > 0 applies ``softcap * tanh(s / softcap)`` to the scaled scores (Gemma-2).
         dropout_p: must be 0 (dropout is not implemented; > 0 raises ValueError).
         deterministic: request a bitwise-repeatable backward (also $FLASH_ATTENTION_DETERMINISTIC
-            or torch's deterministic mode); handed to the backward launch, whose atomic-free
-            kernels satisfy it in every mode, at no cost.
+            or torch's deterministic mode): the atomic-free split backward (the default one, so
+            at no cost), never the fused one with atomic dQ.
         return_lse: also return lse (H_q, T_q) fp32.
 
     Returns:

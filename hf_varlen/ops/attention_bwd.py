@@ -6,16 +6,22 @@ delta = rowsum(dO * O):
     dV = P^T dO        dP = dO V^T        dS = P * (dP - delta)   (* (1 - tanh^2) with a softcap)
     dQ = scale * dS K  dK = scale * dS^T Q
 
-Two kernels, no atomics, so the backward is bitwise deterministic in every mode:
+Split backward (the default): two kernels, no atomics, so it is bitwise deterministic:
 1. ``_attn_bwd_dq_kernel``: the forward's tiling (query tokens x folded query heads, keys
    [min lo, max hi]); it first computes and stores delta for its rows, then accumulates dQ.
 2. ``_attn_bwd_dkdv_kernel``: one program per (key tile of BLOCK_N tokens, KV head); it walks the
    query rows [min qlo, max qhi] that see the tile, for every query head of the KV group
    (``FOLD`` heads per step), so GQA/MQA gradients are summed in registers, never through memory.
 
+Fused backward (``KernelConfig.bwd_fused``, never when a deterministic backward is requested):
+``_attn_bwd_delta_kernel`` computes delta, then the dK/dV kernel with ``ATOMIC_DQ`` also adds each
+step's dS K into an fp32 dQ buffer (FA2's scheme): the split path computes QK^T and dO V^T twice
+(7 matmuls per visible block), the fused one once (5), which is where long documents spend the
+backward; the atomics make the summation order of dQ vary between runs.
+
 Both are launched over heaviest-first tile orders (attention_schedule.py).
-Shapes: q/do/o/dq (T_q, H_q, D), k/v/dk/dv (T_k, H_kv, D), lse/delta (H_q, T_q) fp32,
-lo/hi (T_q,) and qlo/qhi (T_k,) int32.
+Shapes: q/do/o/dq (T_q, H_q, D), dq_acc (T_q, H_q, D) fp32, k/v/dk/dv (T_k, H_kv, D),
+lse/delta (H_q, T_q) fp32, lo/hi (T_q,) and qlo/qhi (T_k,) int32.
 """
 
 from __future__ import annotations
@@ -162,9 +168,10 @@ def _attn_bwd_dq_kernel(
 @triton.jit
 def _dkdv_step(
     dk, dv, k, v, Q, DO, LSE, DELTA, head, r, start, span_hi, qlo, qhi, d, d_ok, stride_qt,
-    stride_qh, stride_dot, stride_doh, T_q, scale_a, scale_b, FOLD: tl.constexpr,
-    TILE: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr, LONG_INDEXING: tl.constexpr,
-    EVEN_D: tl.constexpr, MASKED: tl.constexpr, MASK_ROWS: tl.constexpr,
+    stride_qh, stride_dot, stride_doh, T_q, scale_a, scale_b, DQ_ACC, stride_aqt, stride_aqh,
+    FOLD: tl.constexpr, TILE: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
+    LONG_INDEXING: tl.constexpr, EVEN_D: tl.constexpr, MASKED: tl.constexpr,
+    MASK_ROWS: tl.constexpr, ATOMIC_DQ: tl.constexpr,
 ):  # fmt: skip
     tok = start + r // FOLD
     if LONG_INDEXING:
@@ -192,18 +199,22 @@ def _dkdv_step(
         t = _tanh(qkt * scale_a)
         dst = dst * (1.0 - t * t)
     dk += _dot(dst.to(q.dtype), q, IEEE)
+    if ATOMIC_DQ:  # this key tile's share of dQ = dS K (unscaled), added into the fp32 buffer
+        dq = _dot(tl.trans(dst.to(k.dtype)), k, IEEE)  # (BLOCK_M, BLOCK_D)
+        acc_ptrs = DQ_ACC + tok[:, None] * stride_aqt + head[:, None] * stride_aqh + d[None, :]
+        tl.atomic_add(acc_ptrs, dq, mask=row_ok[:, None] & d_ok[None, :], sem="relaxed")
     return dk, dv
 
 
 @triton.jit(do_not_specialize=["T_q", "T_k"])
 def _attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, QLO, QHI, ORDER,
+    Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, QLO, QHI, ORDER,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-    stride_dkt, stride_dkh, stride_dvt, stride_dvh,
+    stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_aqt, stride_aqh,
     T_q, T_k, H_KV, scale_a, scale_b, sm_scale,
     GROUP: tl.constexpr, FOLD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
-    LONG_INDEXING: tl.constexpr,
+    LONG_INDEXING: tl.constexpr, ATOMIC_DQ: tl.constexpr,
 ):  # fmt: skip
     EMPTY: tl.constexpr = 2147483647
     TILE: tl.constexpr = BLOCK_M // FOLD  # query tokens per inner step
@@ -249,20 +260,20 @@ def _attn_bwd_dkdv_kernel(
         for i in range(0, n_head):
             dk, dv = _dkdv_step(
                 dk, dv, *args, span_lo + i * TILE, span_hi, qlo, qhi, d, d_ok, stride_qt, stride_qh,
-                stride_dot, stride_doh, T_q, scale_a, scale_b, FOLD, TILE, SOFTCAP, IEEE,
-                LONG_INDEXING, EVEN_D, True, True,
+                stride_dot, stride_doh, T_q, scale_a, scale_b, DQ_ACC, stride_aqt, stride_aqh,
+                FOLD, TILE, SOFTCAP, IEEE, LONG_INDEXING, EVEN_D, True, True, ATOMIC_DQ,
             )  # fmt: skip
         for i in range(n_head, n_head + n_mid):
             dk, dv = _dkdv_step(
                 dk, dv, *args, span_lo + i * TILE, span_hi, qlo, qhi, d, d_ok, stride_qt, stride_qh,
-                stride_dot, stride_doh, T_q, scale_a, scale_b, FOLD, TILE, SOFTCAP, IEEE,
-                LONG_INDEXING, EVEN_D, False, PAD_ROWS,
+                stride_dot, stride_doh, T_q, scale_a, scale_b, DQ_ACC, stride_aqt, stride_aqh,
+                FOLD, TILE, SOFTCAP, IEEE, LONG_INDEXING, EVEN_D, False, PAD_ROWS, ATOMIC_DQ,
             )  # fmt: skip
         for i in range(n_head + n_mid, n_all):
             dk, dv = _dkdv_step(
                 dk, dv, *args, span_lo + i * TILE, span_hi, qlo, qhi, d, d_ok, stride_qt, stride_qh,
-                stride_dot, stride_doh, T_q, scale_a, scale_b, FOLD, TILE, SOFTCAP, IEEE,
-                LONG_INDEXING, EVEN_D, True, True,
+                stride_dot, stride_doh, T_q, scale_a, scale_b, DQ_ACC, stride_aqt, stride_aqh,
+                FOLD, TILE, SOFTCAP, IEEE, LONG_INDEXING, EVEN_D, True, True, ATOMIC_DQ,
             )  # fmt: skip
     tl.store(
         DK + cols[:, None] * stride_dkt + kv_head * stride_dkh + d[None, :],
@@ -274,6 +285,31 @@ def _attn_bwd_dkdv_kernel(
         dv.to(DV.dtype.element_ty),
         mask=kv_mask,
     )
+
+
+@triton.jit(do_not_specialize=["T_q"])
+def _attn_bwd_delta_kernel(
+    O, DO, DELTA, stride_ot, stride_oh, stride_dot, stride_doh, T_q, H_Q,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
+    LONG_INDEXING: tl.constexpr,
+):  # fmt: skip
+    """delta = rowsum(dO * O) (H_q, T_q) fp32 for the fused backward (the split one computes it
+    in the dQ kernel): one program per (BLOCK_T tokens, query head)."""
+    pid = tl.program_id(0)
+    head = pid % H_Q
+    tok = (pid // H_Q) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tok_ok = tok < T_q
+    if LONG_INDEXING:
+        tok = tok.to(tl.int64)
+        head = head.to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    mask = tok_ok[:, None] & (d < HEAD_DIM)[None, :]
+    o = tl.load(O + tok[:, None] * stride_ot + head * stride_oh + d[None, :], mask=mask, other=0.0)
+    do = tl.load(
+        DO + tok[:, None] * stride_dot + head * stride_doh + d[None, :], mask=mask, other=0.0
+    )
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(DELTA + head * T_q + tok, delta, mask=tok_ok)
 
 
 def _common(q, k, v, *more, softcap: float) -> dict:
@@ -302,20 +338,36 @@ def backward_dq(
     )  # fmt: skip
 
 
+def backward_delta(o, do, delta, *, traceable: bool = False) -> None:
+    """Launch the delta kernel; writes delta (H_q, T_q) fp32 in place."""
+    t_q, h_q, dim = o.shape
+    block_t = 32 if o.device.type == "cuda" else 16
+    launcher(_attn_bwd_delta_kernel, traceable)[(triton.cdiv(t_q, block_t) * h_q,)](
+        o, do, delta, o.stride(0), o.stride(1), do.stride(0), do.stride(1), t_q, h_q,
+        HEAD_DIM=dim, BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_T=block_t,
+        LONG_INDEXING=needs_long_indexing(o, do) or h_q * t_q >= 2**31, num_warps=4,
+    )  # fmt: skip
+
+
 def backward_dkdv(
     do, q, k, v, lse, delta, dk, dv, qlo_k, qhi_k, order, *, softmax_scale: float, softcap: float,
     fold: int, block_m: int, block_n: int, num_warps: int, num_stages: int, traceable: bool = False,
+    dq_acc: torch.Tensor | None = None,
 ) -> None:  # fmt: skip
-    """Launch the dK/dV kernel (needs delta from backward_dq); writes dk, dv in place."""
+    """Launch the dK/dV kernel (needs delta from backward_dq or backward_delta); writes dk, dv in
+    place. With ``dq_acc`` ((T_q, H_q, D) fp32, zeroed) it also adds every tile's unscaled dS K
+    into it with atomics (the fused backward: no dQ kernel, not bitwise repeatable)."""
     scale_a, scale_b = score_constants(softmax_scale, softcap)
     h_kv = k.shape[1]
+    acc = dk if dq_acc is None else dq_acc  # a placeholder pointer when there is no fused dQ
     launcher(_attn_bwd_dkdv_kernel, traceable)[((order.numel() - 1) * h_kv,)](
-        q, k, v, do, lse, delta, dk, dv, qlo_k, qhi_k, order,
+        q, k, v, do, lse, delta, dk, dv, acc, qlo_k, qhi_k, order,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-        q.shape[0], k.shape[0], h_kv, scale_a, scale_b, softmax_scale,
-        FOLD=fold, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages,
-        **_common(q, k, v, do, dk, dv, softcap=softcap),
+        acc.stride(0), acc.stride(1), q.shape[0], k.shape[0], h_kv, scale_a, scale_b,
+        softmax_scale, FOLD=fold, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        num_stages=num_stages, ATOMIC_DQ=dq_acc is not None,
+        **_common(q, k, v, do, dk, dv, *(() if dq_acc is None else (dq_acc,)), softcap=softcap),
     )  # fmt: skip
 
 
@@ -338,17 +390,32 @@ def attention_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dQ (+delta) then dK/dV over the plan's heaviest-first orders; returns dq, dk, dv.
 
-    ``deterministic`` is the caller's request for a bitwise-repeatable backward. Both launches
-    below are atomic-free (each output row is written by one program), so every call honours it;
-    any future atomic-accumulation path must be taken only when it is False.
+    Split (default): a dQ kernel and a dK/dV kernel, atomic-free (each output row is written by
+    one program), so bitwise repeatable. Fused (``cfg.bwd_fused`` and not ``deterministic``): the
+    FA2 scheme, delta first, then the dK/dV kernel also adds dS K into an fp32 dQ buffer with
+    atomics: 5 matmuls per visible block instead of 7 (the split dQ kernel recomputes S and dP),
+    at the price of an fp32 (T_q, H_q, D) buffer and a summation order that varies from run to run.
+    ``deterministic`` is the caller's request for a bitwise-repeatable backward: it always gets
+    the split one.
     """
-    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+    fused = cfg.bwd_fused and not deterministic
     if q.shape[0] == 0 or k.shape[0] == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_()
+        dq = torch.zeros_like(q, memory_format=torch.contiguous_format)
+        return dq, dk.zero_(), dv.zero_()
     delta = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
     kw = dict(softmax_scale=softmax_scale, softcap=softcap, traceable=traceable)
+    if fused:
+        dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        backward_delta(o, do, delta, traceable=traceable)
+        backward_dkdv(
+            do, q, k, v, lse, delta, dk, dv, plan.qlo_k, plan.qhi_k, plan.order_k(cfg.kv_block_n),
+            fold=fold_kv, block_m=cfg.kv_block_m, block_n=cfg.kv_block_n,
+            num_warps=cfg.kv_warps, num_stages=cfg.kv_stages, dq_acc=dq_acc, **kw,
+        )  # fmt: skip
+        return (dq_acc * softmax_scale).to(q.dtype), dk, dv
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     backward_dq(
         do, q, k, v, o, lse, delta, dq, plan.lo_q, plan.hi_q, plan.order_q(cfg.dq_block_m // fold_dq),
         fold=fold_dq, block_m=cfg.dq_block_m, block_n=cfg.dq_block_n,

@@ -71,6 +71,10 @@ class KernelConfig:
     kv_warps: int
     kv_stages: int
     kv_min_tokens: int
+    # The fused (FA2-style, atomic dQ) backward instead of the split dQ + dK/dV kernels, where the
+    # caller did not ask for a deterministic backward (attention_bwd.attention_backward). Off by
+    # default until the H200 shows where it wins; a tuning override may set it (16th entry).
+    bwd_fused: bool = False
 
 
 # Tuned on the H200 (scripts/bench_attention.py --tune) over packs of real alpaca and lima lengths
@@ -87,11 +91,12 @@ _INTERPRETER_CONFIG = KernelConfig(16, 16, 1, 1, 4, 16, 16, 1, 1, 4, 16, 16, 1, 
 @functools.lru_cache(maxsize=4)
 def _load_overrides(path: str) -> dict[int, KernelConfig]:
     with open(path) as f:
-        return {int(k): KernelConfig(*v) for k, v in json.load(f).items()}
+        return {int(k): KernelConfig(*v[:15], *map(bool, v[15:])) for k, v in json.load(f).items()}
 
 
 def _overrides() -> dict[int, KernelConfig]:
-    """Configs from $HF_VARLEN_TRITON_ATTN_CONFIG (JSON {"128": [15 ints], ...}), for tuning runs."""
+    """Configs from $HF_VARLEN_TRITON_ATTN_CONFIG (JSON {"128": [15 ints (+ bwd_fused 0/1)], ...}),
+    for tuning runs."""
     path = os.environ.get("HF_VARLEN_TRITON_ATTN_CONFIG")
     return _load_overrides(path) if path else {}
 
