@@ -190,8 +190,8 @@ def _fused_loss(call: _Call, **kwargs):
     # value is NaN there; its gradients are zero, as ours are).
     if torch.is_tensor(num_items):
         num_items = num_items.to(call.loss_sum.device).clamp(min=1)
-    else:
-        num_items = max(num_items, 1)
+    else:  # sym_max: under torch.compile a symbolic count gets no guard (max() would add one)
+        num_items = torch.sym_max(num_items, 1)
     return call.loss_sum / num_items
 
 

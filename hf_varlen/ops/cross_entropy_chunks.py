@@ -276,4 +276,4 @@ def kept_rows(hidden: torch.Tensor, labels: torch.Tensor, ignore_index: int, dro
 
 def at_least_one(n_valid):
     """max(n_valid, 1) for an int or a 0-d tensor: no label token divides by 1, not 0."""
-    return n_valid.clamp(min=1) if isinstance(n_valid, torch.Tensor) else max(n_valid, 1)
+    return n_valid.clamp(min=1) if isinstance(n_valid, torch.Tensor) else torch.sym_max(n_valid, 1)
