@@ -73,3 +73,17 @@ def _fresh_accelerate_state():
     state = sys.modules.get("accelerate.state")
     if state is not None:
         state.AcceleratorState._reset_state(reset_partial_state=True)
+
+
+@pytest.fixture
+def fused_backward(monkeypatch):
+    """Every triton attention call in the test takes the fused (atomic dQ) backward
+    (``KernelConfig.bwd_fused``; off in the shipped configs)."""
+    import dataclasses
+
+    from hf_varlen.ops import attention
+
+    pick = attention.pick_config
+    monkeypatch.setattr(
+        attention, "pick_config", lambda *a: dataclasses.replace(pick(*a), bwd_fused=True)
+    )

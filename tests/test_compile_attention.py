@@ -373,12 +373,7 @@ def test_dropout_under_compile_with_an_opaque_backend_raises():
 # ---- GPU: Inductor on the triton backend ---------------------------------------------------------
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "mistral", "gemma2"])
-@pytest.mark.parametrize("style", ["collator", "position_ids"])
-def test_inductor_fullgraph_triton_backend_matches_eager_bf16(kind, style):
-    """bf16 model compiled by Inductor on the triton attention backend; ref_lo = eager bf16,
-    ref_hi = eager fp32 (the bf16 rule), at most 2 compilations over 12 packs."""
+def _inductor_bf16_vs_eager(kind, style):
     _train_compiled_vs_eager(
         kind,
         style,
@@ -393,26 +388,17 @@ def test_inductor_fullgraph_triton_backend_matches_eager_bf16(kind, style):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "mistral", "gemma2"])
+@pytest.mark.parametrize("style", ["collator", "position_ids"])
+def test_inductor_fullgraph_triton_backend_matches_eager_bf16(kind, style):
+    """bf16 model compiled by Inductor on the triton attention backend; ref_lo = eager bf16,
+    ref_hi = eager fp32 (the bf16 rule), at most 2 compilations over 12 packs."""
+    _inductor_bf16_vs_eager(kind, style)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["llama", "gemma2"])
-def test_inductor_fullgraph_fused_triton_backward_matches_eager_bf16(kind, monkeypatch):
+def test_inductor_fullgraph_fused_triton_backward_matches_eager_bf16(kind, fused_backward):
     """The same with the fused backward (atomic dQ into an fp32 buffer, KernelConfig.bwd_fused):
     Inductor must see the atomic kernel's mutation of that buffer (wrap_triton's analysis)."""
-    import dataclasses
-
-    from hf_varlen.ops import attention
-
-    pick = attention.pick_config
-    monkeypatch.setattr(
-        attention, "pick_config", lambda *a: dataclasses.replace(pick(*a), bwd_fused=True)
-    )
-    _train_compiled_vs_eager(
-        kind,
-        "collator",
-        "inductor",
-        device="cuda",
-        dtype=torch.bfloat16,
-        ref_hi_dtype=torch.float32,
-        steps=12,
-        attn="triton",
-        attn_hi="reference",
-    )
+    _inductor_bf16_vs_eager(kind, "collator")

@@ -420,60 +420,15 @@ def test_row_ops_compile_once_at_1b_widths_inductor():
     sys.path.insert(0, str(Path(__file__).parent))
     from test_compile_attention import _CountingBackend
     from torch._dynamo.utils import clear_compilation_metrics
+    from traced_triton_compile import row_op_cases, train_over_token_counts
 
-    from hf_varlen import ops as o
-
-    dev, dt = "cuda", torch.bfloat16
-    hidden, ffn, heads, kv_heads, dim, vocab = 2048, 8192, 32, 8, 64, 4096
-    cos, sin = (torch.randn(8192, dim, device=dev, dtype=dt) for _ in range(2))
-
-    def rope_case(t):  # (B, H, T, D) as HF hands it; 3 documents' positions
-        pos = torch.cat([torch.arange(n) for n in (t // 3, t // 3, t - 2 * (t // 3))])[None]
-        q = torch.randn(1, heads, t, dim, device=dev, dtype=dt, requires_grad=True)
-        k = torch.randn(1, kv_heads, t, dim, device=dev, dtype=dt, requires_grad=True)
-        return (q, k, cos, sin, pos.to(dev)), {2: (0, 1), 1: (4,)}
-
-    def rows(t, width):
-        return torch.randn(t, width, device=dev, dtype=dt, requires_grad=True)
-
-    cases = {  # name: (fn, make(T) -> (args, {token dim: arg indices}))
-        "rms_norm": (
-            lambda x, w: o.rms_norm(x, w, 1e-6),
-            lambda t: (
-                (rows(t, hidden), torch.ones(hidden, device=dev, dtype=dt, requires_grad=True)),
-                {0: (0,)},
-            ),
-        ),
-        "swiglu": (o.swiglu, lambda t: ((rows(t, ffn), rows(t, ffn)), {0: (0, 1)})),
-        "apply_rotary_qk": (
-            lambda q, k, c, s, pos: o.apply_rotary_qk(q, k, c, s, position_ids=pos, inplace=False),
-            rope_case,
-        ),
-        "fused_linear_cross_entropy": (
-            lambda h, w, y: o.fused_linear_cross_entropy(h, w, y, reduction="mean"),
-            lambda t: (
-                (
-                    rows(t, hidden),
-                    torch.randn(vocab, hidden, device=dev, dtype=dt, requires_grad=True),
-                    torch.randint(0, vocab, (t,), device=dev),
-                ),
-                {0: (0, 2)},
-            ),
-        ),
-    }
+    cases = row_op_cases("cuda", torch.bfloat16, hidden=2048, ffn=8192, heads=32, kv_heads=8,
+                         dim=64, vocab=4096)  # fmt: skip
     for name, (fn, make) in cases.items():
         torch._dynamo.reset()
         clear_compilation_metrics()
         counting = _CountingBackend("inductor")
-        compiled = torch.compile(fn, backend=counting, fullgraph=True)
-        for t in (641, 487, 904, 300, 2300, 527, 528, 5000, 130):
-            args, dims = make(t)
-            for token_dim, indices in dims.items():
-                for i in indices:
-                    torch._dynamo.mark_dynamic(args[i], token_dim)
-            out = compiled(*args)
-            out = out[0] if isinstance(out, tuple) else out
-            out.float().sum().backward()
+        train_over_token_counts(fn, make, (641, 487, 904, 300, 2300, 527, 528, 5000, 130), counting)
         assert counting.compiles == 1, f"{name}: {counting.explain()}"
 
 

@@ -219,21 +219,6 @@ def test_backward_bitwise_repeatable_in_every_mode(monkeypatch):
             assert torch.equal(a, b)
 
 
-@pytest.fixture
-def fused_backward(monkeypatch):
-    """Every triton attention call in the test takes the fused (atomic dQ) backward."""
-    import dataclasses
-
-    from hf_varlen.ops import attention
-
-    pick = attention.pick_config
-    monkeypatch.setattr(
-        attention,
-        "pick_config",
-        lambda *a: dataclasses.replace(pick(*a), bwd_fused=True),
-    )
-
-
 FUSED_CASES = {
     "mixed": ([1, 2, 113], 4, 2, 32, {}),
     "gqa8": ([11, 1, 30], 8, 1, 16, {}),

@@ -100,6 +100,59 @@ def _stub_row_ops():
             module._INTERPRET = True
 
 
+def train_over_token_counts(fn, make, token_counts, backend) -> None:
+    """Compile ``fn`` (fullgraph, with ``backend``) and run forward + backward once per token
+    count; ``make(T)`` gives (args, {token dim: indices of the args marked dynamic there})."""
+    compiled = torch.compile(fn, backend=backend, fullgraph=True)
+    for t in token_counts:
+        args, dims = make(t)
+        for token_dim, indices in dims.items():
+            for i in indices:
+                torch._dynamo.mark_dynamic(args[i], token_dim)
+        out = compiled(*args)
+        out = out[0] if isinstance(out, tuple) else out
+        out.float().sum().backward()
+
+
+def row_op_cases(device, dtype, *, hidden, ffn, heads, kv_heads, dim, vocab) -> dict:
+    """The row ops as test cases at the given widths: {name: (fn, make(T) -> (args, {token dim:
+    indices of the args marked dynamic there}))}; inputs random, gradients on the activations."""
+    import hf_varlen.ops as o
+
+    cos, sin = (torch.randn(8192, dim, device=device, dtype=dtype) for _ in range(2))
+
+    def rows(t, width):
+        return torch.randn(t, width, device=device, dtype=dtype, requires_grad=True)
+
+    def rope_case(t):  # (B, H, T, D) as HF hands it; 3 documents' positions
+        pos = torch.cat([torch.arange(n) for n in (t // 3, t // 3, t - 2 * (t // 3))])[None]
+        q = torch.randn(1, heads, t, dim, device=device, dtype=dtype, requires_grad=True)
+        k = torch.randn(1, kv_heads, t, dim, device=device, dtype=dtype, requires_grad=True)
+        return (q, k, cos, sin, pos.to(device)), {2: (0, 1), 1: (4,)}
+
+    def ce_case(t):
+        w = torch.randn(vocab, hidden, device=device, dtype=dtype, requires_grad=True)
+        labels = torch.randint(0, vocab, (t,), device=device)
+        return (rows(t, hidden), w, labels), {0: (0, 2)}
+
+    ones = torch.ones(hidden, device=device, dtype=dtype, requires_grad=True)
+    return {
+        "rms_norm": (
+            lambda x, w: o.rms_norm(x, w, 1e-6),
+            lambda t: ((rows(t, hidden), ones), {0: (0,)}),
+        ),
+        "swiglu": (o.swiglu, lambda t: ((rows(t, ffn), rows(t, ffn)), {0: (0, 1)})),
+        "apply_rotary_qk": (
+            lambda q, k, c, s, pos: o.apply_rotary_qk(q, k, c, s, position_ids=pos, inplace=False),
+            rope_case,
+        ),
+        "fused_linear_cross_entropy": (
+            lambda h, w, y: o.fused_linear_cross_entropy(h, w, y, reduction="mean"),
+            ce_case,
+        ),
+    }
+
+
 def ops() -> list[dict]:
     """Each row op compiled (aot_eager, fullgraph) over token counts crossing its block sizes."""
     import triton
@@ -109,51 +162,9 @@ def ops() -> list[dict]:
     triton.runtime.jit.JITFunction.run = lambda self, *args, **kwargs: None
     from torch._dynamo.utils import clear_compilation_metrics, get_compilation_metrics
 
-    import hf_varlen.ops as o
-
     _stub_row_ops()
-    hidden, vocab, heads, kv_heads, dim = 64, 97, 4, 2, 16
-    cos, sin = torch.randn(512, dim), torch.randn(512, dim)
-
-    def rope_pos(t):  # (B, H, T, D) as HF hands it; 3 documents' positions
-        pos = torch.cat([torch.arange(n) for n in (t // 3, t // 3, t - 2 * (t // 3))])[None]
-        q, k = torch.randn(1, heads, t, dim), torch.randn(1, kv_heads, t, dim)
-        return (q.requires_grad_(), k.requires_grad_(), cos, sin, pos), {2: (0, 1), 1: (4,)}
-
-    cases = {  # name: (fn, make(T) -> (args, {token dim: arg indices}))
-        "rms_norm": (
-            lambda x, w: o.rms_norm(x, w, 1e-6),
-            lambda t: (
-                (
-                    torch.randn(t, hidden, requires_grad=True),
-                    torch.ones(hidden, requires_grad=True),
-                ),
-                {0: (0,)},
-            ),
-        ),
-        "swiglu": (
-            o.swiglu,
-            lambda t: (
-                tuple(torch.randn(t, 96, requires_grad=True) for _ in range(2)),
-                {0: (0, 1)},
-            ),
-        ),
-        "apply_rotary_qk": (
-            lambda q, k, c, s, pos: o.apply_rotary_qk(q, k, c, s, position_ids=pos, inplace=False),
-            rope_pos,
-        ),
-        "fused_linear_cross_entropy": (
-            lambda h, w, y: o.fused_linear_cross_entropy(h, w, y, reduction="mean"),
-            lambda t: (
-                (
-                    torch.randn(t, hidden, requires_grad=True),
-                    torch.randn(vocab, hidden, requires_grad=True),
-                    torch.randint(0, vocab, (t,)),
-                ),
-                {0: (0, 2)},
-            ),
-        ),
-    }
+    cases = row_op_cases("cpu", torch.float32, hidden=64, ffn=96, heads=4, kv_heads=2, dim=16,
+                         vocab=97)  # fmt: skip
     rows = []
     for name, (fn, make) in cases.items():
         torch._dynamo.reset()
@@ -162,17 +173,9 @@ def ops() -> list[dict]:
         from test_compile_attention import _CountingBackend
 
         counting = _CountingBackend("aot_eager")
-        compiled = torch.compile(fn, backend=counting, fullgraph=True)
         # 2 and 3: fewer rows than the CPU geometry's 4 persistent RMSNorm programs (the GPU has
         # 528 at H = 2048): a grid of min(rows, programs) guards on T there
-        for t in (17, 2, 63, 64, 3, 65, 129, 1000, 4097):
-            args, dims = make(t)
-            for token_dim, indices in dims.items():
-                for i in indices:
-                    torch._dynamo.mark_dynamic(args[i], token_dim)
-            out = compiled(*args)
-            out = out[0] if isinstance(out, tuple) else out
-            out.float().sum().backward()
+        train_over_token_counts(fn, make, (17, 2, 63, 64, 3, 65, 129, 1000, 4097), counting)
         reasons = [m.recompile_reason for m in get_compilation_metrics() if m.recompile_reason]
         rows.append(
             {
