@@ -264,6 +264,19 @@ def test_deterministic_request_takes_the_split_backward(fused_backward, monkeypa
     assert launched == ["backward_delta"]
 
 
+@pytest.mark.parametrize("backward", ["split", "fused"])
+def test_int64_indexing_path_matches_reference(backward, monkeypatch, request):
+    """The LONG_INDEXING kernels (int64 offsets, taken past 2^31 elements: a GPU-only size) on a
+    small pack, forced on: the same numbers as the int32 path's reference check."""
+    from hf_varlen.ops import attention_bwd, attention_fwd
+
+    if backward == "fused":
+        request.getfixturevalue("fused_backward")
+    for module in (attention_fwd, attention_bwd):
+        monkeypatch.setattr(module, "needs_long_indexing", lambda *tensors: True)
+    check([5, 17, 33], 4, 2, 16, torch.float32)
+
+
 def test_tuning_override_sets_the_fused_backward(tmp_path, monkeypatch):
     from hf_varlen.ops import attention_schedule as sched
 
