@@ -168,8 +168,8 @@ def _attn_bwd_dq_kernel(
 @triton.jit
 def _dkdv_step(
     dk, dv, k, v, Q, DO, LSE, DELTA, head, r, start, span_hi, qlo, qhi, d, d_ok, stride_qt,
-    stride_qh, stride_dot, stride_doh, T_q, scale_a, scale_b, DQ_ACC, stride_aqt, stride_aqh,
-    FOLD: tl.constexpr, TILE: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
+    stride_qh, stride_dot, stride_doh, T_q, scale_a, scale_b, sm_scale, DQ_ACC, stride_aqt,
+    stride_aqh, FOLD: tl.constexpr, TILE: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
     LONG_INDEXING: tl.constexpr, EVEN_D: tl.constexpr, MASKED: tl.constexpr,
     MASK_ROWS: tl.constexpr, ATOMIC_DQ: tl.constexpr,
 ):  # fmt: skip
@@ -199,8 +199,8 @@ def _dkdv_step(
         t = _tanh(qkt * scale_a)
         dst = dst * (1.0 - t * t)
     dk += _dot(dst.to(q.dtype), q, IEEE)
-    if ATOMIC_DQ:  # this key tile's share of dQ = dS K (unscaled), added into the fp32 buffer
-        dq = _dot(tl.trans(dst.to(k.dtype)), k, IEEE)  # (BLOCK_M, BLOCK_D)
+    if ATOMIC_DQ:  # this key tile's share of dQ = scale * dS K, added into the fp32 buffer
+        dq = _dot(tl.trans(dst.to(k.dtype)), k, IEEE) * sm_scale  # (BLOCK_M, BLOCK_D)
         acc_ptrs = DQ_ACC + tok[:, None] * stride_aqt + head[:, None] * stride_aqh + d[None, :]
         tl.atomic_add(acc_ptrs, dq, mask=row_ok[:, None] & d_ok[None, :], sem="relaxed")
     return dk, dv
@@ -260,20 +260,21 @@ def _attn_bwd_dkdv_kernel(
         for i in range(0, n_head):
             dk, dv = _dkdv_step(
                 dk, dv, *args, span_lo + i * TILE, span_hi, qlo, qhi, d, d_ok, stride_qt, stride_qh,
-                stride_dot, stride_doh, T_q, scale_a, scale_b, DQ_ACC, stride_aqt, stride_aqh,
-                FOLD, TILE, SOFTCAP, IEEE, LONG_INDEXING, EVEN_D, True, True, ATOMIC_DQ,
+                stride_dot, stride_doh, T_q, scale_a, scale_b, sm_scale, DQ_ACC, stride_aqt,
+                stride_aqh, FOLD, TILE, SOFTCAP, IEEE, LONG_INDEXING, EVEN_D, True, True, ATOMIC_DQ,
             )  # fmt: skip
         for i in range(n_head, n_head + n_mid):
             dk, dv = _dkdv_step(
                 dk, dv, *args, span_lo + i * TILE, span_hi, qlo, qhi, d, d_ok, stride_qt, stride_qh,
-                stride_dot, stride_doh, T_q, scale_a, scale_b, DQ_ACC, stride_aqt, stride_aqh,
-                FOLD, TILE, SOFTCAP, IEEE, LONG_INDEXING, EVEN_D, False, PAD_ROWS, ATOMIC_DQ,
+                stride_dot, stride_doh, T_q, scale_a, scale_b, sm_scale, DQ_ACC, stride_aqt,
+                stride_aqh, FOLD, TILE, SOFTCAP, IEEE, LONG_INDEXING, EVEN_D, False, PAD_ROWS,
+                ATOMIC_DQ,
             )  # fmt: skip
         for i in range(n_head + n_mid, n_all):
             dk, dv = _dkdv_step(
                 dk, dv, *args, span_lo + i * TILE, span_hi, qlo, qhi, d, d_ok, stride_qt, stride_qh,
-                stride_dot, stride_doh, T_q, scale_a, scale_b, DQ_ACC, stride_aqt, stride_aqh,
-                FOLD, TILE, SOFTCAP, IEEE, LONG_INDEXING, EVEN_D, True, True, ATOMIC_DQ,
+                stride_dot, stride_doh, T_q, scale_a, scale_b, sm_scale, DQ_ACC, stride_aqt,
+                stride_aqh, FOLD, TILE, SOFTCAP, IEEE, LONG_INDEXING, EVEN_D, True, True, ATOMIC_DQ,
             )  # fmt: skip
     tl.store(
         DK + cols[:, None] * stride_dkt + kv_head * stride_dkh + d[None, :],
@@ -355,7 +356,7 @@ def backward_dkdv(
     dq_acc: torch.Tensor | None = None,
 ) -> None:  # fmt: skip
     """Launch the dK/dV kernel (needs delta from backward_dq or backward_delta); writes dk, dv in
-    place. With ``dq_acc`` ((T_q, H_q, D) fp32, zeroed) it also adds every tile's unscaled dS K
+    place. With ``dq_acc`` ((T_q, H_q, D) fp32, zeroed) it also adds every tile's scale * dS K
     into it with atomics (the fused backward: no dQ kernel, not bitwise repeatable)."""
     scale_a, scale_b = score_constants(softmax_scale, softcap)
     h_kv = k.shape[1]
@@ -414,7 +415,7 @@ def attention_backward(
             fold=fold_kv, block_m=cfg.kv_block_m, block_n=cfg.kv_block_n,
             num_warps=cfg.kv_warps, num_stages=cfg.kv_stages, dq_acc=dq_acc, **kw,
         )  # fmt: skip
-        return (dq_acc * softmax_scale).to(q.dtype), dk, dv
+        return dq_acc.to(q.dtype), dk, dv
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     backward_dq(
         do, q, k, v, o, lse, delta, dq, plan.lo_q, plan.hi_q, plan.order_q(cfg.dq_block_m // fold_dq),
