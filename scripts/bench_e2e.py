@@ -40,7 +40,10 @@ Metrics per run, over the steps after ``--warmup`` that neither compiled nor cap
 such steps are counted in the cell and their excess time goes to the compile time): real tokens/s,
 peak GiB (``max_memory_allocated``), MFU = model FLOPs incl. attention / ``--peak-tflops`` (790 on
 the H200, ANCHORS.md), the padding share of the tensors, and the per-step loss. Loss equality: each mode's
-per-step losses against ``padded_sdpa`` (same examples, same order).
+per-step losses against ``padded_sdpa`` (same examples, same order). ``--repeats R`` runs every
+cell R times, interleaved across the modes of a batch size (A B A B), and the tables show the run
+of median tokens/s with the range: host-bound cells (batch 8 on the 1B shape) swing by 20-45%
+between runs of the same commit, so a single run per cell cannot rank two modes that close.
 
 Outputs (``--out``): ``results.json`` (streamed after every run), ``e2e_tables.md`` (the tables for
 docs/BENCHMARKS.md), PNGs in ``--plots-dir`` (tokens/s vs batch size per mode, padding efficiency
@@ -52,6 +55,8 @@ time between ops), and the host-device syncs of one more step with the frames th
     python scripts/bench_e2e.py --out runs/e2e --plots-dir docs          # the issue's table
     python scripts/bench_e2e.py --models qwen3-8b --layers 8 --batch-sizes 32,128
     python scripts/bench_e2e.py --padding-only --plots-dir docs          # data only, no GPU
+    python scripts/bench_e2e.py --modes minimal_varlen-compile,hf_varlen-compile --batch-sizes 8 \
+        --repeats 3                                                     # a host-bound ranking
 """
 
 from __future__ import annotations
@@ -491,6 +496,12 @@ def parse_args(argv=None):
     p.add_argument("--batch-sizes", type=csv(int), default=[1, 2, 4, 8, 16, 32, 64, 128])
     p.add_argument("--modes", type=csv(str), default=DEFAULT_MODES.split(","))
     p.add_argument("--steps", type=int, default=30, help="optimizer steps per run")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs per cell, interleaved across the modes; tables show the median and the range",
+    )
     p.add_argument("--warmup", type=int, default=5, help="steps left out of the throughput")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--seed", type=int, default=0)
@@ -527,9 +538,28 @@ def parse_args(argv=None):
     unknown = [m for m in args.modes + args.profile_modes if m not in MODES]
     if unknown:
         p.error(f"--modes: unknown {unknown}; known: {list(MODES)}")
+    if args.repeats < 1:
+        p.error(f"--repeats {args.repeats} must be >= 1")
     if args.warmup >= args.steps:
         p.error(f"--warmup {args.warmup} must be < --steps {args.steps}")
     return args
+
+
+def run_grid(args) -> list[dict]:
+    """The runs in order: per model, data, length and batch size, ``--repeats`` rounds of every
+    mode, then one profile per model and profile mode. Repeats interleave (A B A B, not A A B B),
+    so a drift of the host's speed during the run reaches every mode of a batch size alike."""
+    keys = ("model", "data", "max_length", "batch_size", "repeat", "mode")
+    grid = itertools.product(
+        args.models, args.data, args.max_lengths, args.batch_sizes, range(args.repeats), args.modes
+    )
+    runs = [dict(zip(keys, values, strict=True)) for values in grid]
+    if args.profile:
+        first = dict(data=args.data[0], max_length=args.max_lengths[0])
+        for model, mode in itertools.product(args.models, args.profile_modes):
+            runs.append(dict(model=model, **first, batch_size=args.profile_batch, mode=mode))
+            runs[-1]["profile"] = True
+    return runs
 
 
 def main(argv=None) -> list[dict]:
@@ -559,17 +589,11 @@ def main(argv=None) -> list[dict]:
     results: list[dict] = []
     runs: list[dict] = []
     if not args.padding_only:
-        keys = ("model", "data", "max_length", "batch_size", "mode")
-        grid = itertools.product(
-            args.models, args.data, args.max_lengths, args.batch_sizes, args.modes
-        )
-        runs = [dict(zip(keys, values, strict=True)) for values in grid]
-        if args.profile:
-            first = dict(data=args.data[0], max_length=args.max_lengths[0])
-            for model, mode in itertools.product(args.models, args.profile_modes):
-                runs.append(dict(model=model, **first, batch_size=args.profile_batch, mode=mode))
-                runs[-1]["profile"] = True
+        runs = run_grid(args)
     for i, run in enumerate(runs):
+        repeated = args.repeats > 1 and "repeat" in run  # profiles run once
+        rep = f"_r{run['repeat']}" if repeated else ""
+        rep_note = f" repeat {run['repeat'] + 1}/{args.repeats}" if repeated else ""
         run.update(
             tokenizer=args.tokenizer,
             dataset=datasets[run["data"]],
@@ -583,7 +607,7 @@ def main(argv=None) -> list[dict]:
             compile_backend=args.compile_backend,
             run_dir=str(
                 out
-                / f"run{i:03d}_{run['model']}_{run['data']}_L{run['max_length']}_B{run['batch_size']}_{run['mode']}"
+                / f"run{i:03d}_{run['model']}_{run['data']}_L{run['max_length']}_B{run['batch_size']}_{run['mode']}{rep}"
             ),
         )
         t0 = time.perf_counter()
@@ -592,7 +616,8 @@ def main(argv=None) -> list[dict]:
         results.append(result)
         print(
             f"[{i + 1}/{len(runs)}] {run['model']} {run['data']} L{run['max_length']} B{run['batch_size']} "
-            f"{run['mode']}{' (profile)' if run.get('profile') else ''}: {fmt_cell(result)} "
+            f"{run['mode']}{' (profile)' if run.get('profile') else ''}"
+            f"{rep_note}: {fmt_cell(result)} "
             f"({time.perf_counter() - t0:.0f} s)",
             flush=True,
         )

@@ -275,3 +275,45 @@ def test_capture_syncs_counts_each_place_with_its_frames():
     assert all("test_bench_e2e.py" in where and "(step)" in where for _, where in syncs)
     if not torch.cuda.is_available():
         assert e2e_host_profile.sync_points(None, None) == {}  # nothing to watch without CUDA
+
+
+def test_repeats_interleave_the_modes_and_report_the_median(tmp_path):
+    """--repeats R: every batch size runs R rounds of all its modes (A B A B), profiles once; the
+    report shows each cell's run of median tokens/s with the range of the finished repeats."""
+    import e2e_report
+
+    args = bench_e2e.parse_args(
+        ["--modes", "minimal_varlen-compile,hf_varlen-compile", "--batch-sizes", "8,32"]
+        + ["--repeats", "3", "--profile", "--profile-batch", "8"]
+        + ["--profile-modes", "hf_varlen-compile"]
+    )
+    runs = bench_e2e.run_grid(args)
+    order = [(r["batch_size"], r.get("repeat"), r["mode"][:3]) for r in runs]
+    assert order[:6] == [(8, i, m) for i in range(3) for m in ("min", "hf_")]
+    assert order[6:12] == [(32, i, m) for i in range(3) for m in ("min", "hf_")]
+    assert order[12:] == [(8, None, "hf_")] and runs[12]["profile"]
+    with pytest.raises(SystemExit):
+        bench_e2e.parse_args(["--repeats", "0"])
+
+    def cell(mode, repeat, tokens_per_s, status="ok"):
+        run = dict(model="llama-1b", data="alpaca", max_length=1024, batch_size=8, mode=mode)
+        r = dict(run={**run, "repeat": repeat}, status=status, peak_gib=1.0, mfu=0.3, losses=[1.0])
+        return {**r, "kernels": "on", "tokens_per_s": tokens_per_s} if status == "ok" else r
+
+    results = [
+        cell("a", 0, 15e3), cell("b", 0, 16e3), cell("a", 1, 17e3), cell("b", 1, 9e3),
+        cell("a", 2, 12e3), cell("b", 2, None, status="OOM"), cell("c", 0, 5e3),
+    ]  # fmt: skip
+    merged = e2e_report.median_of_repeats(results)
+    assert [r["run"]["mode"] for r in merged] == ["a", "b", "c"]
+    a, b, c = merged
+    assert a["tokens_per_s"] == 15e3 and a["repeat_tokens_per_s"] == [15e3, 17e3, 12e3]
+    assert b["tokens_per_s"] == 9e3 and b["repeats"] == 3  # lower median of the two that ran
+    assert "repeats" not in c  # a single run stays as it is
+    out = tmp_path / "tables.md"
+    e2e_report.write_tables(results, [], {"gpu": "test"}, out)
+    text = out.read_text()
+    assert (
+        "| 8 | 15.0K (median of 3: 12.0-17.0K), 1.0 GiB | 9.0K (median of 2/3: 9.0-16.0K)" in text
+    )
+    assert text.count("| 8 |") == 2  # one row per batch size (tokens, MFU), not one per repeat
