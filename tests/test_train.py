@@ -291,6 +291,7 @@ def _write(path: Path, records) -> str:
         (dict(model="BLOOM"), ValueError, "does not dispatch attention.*--padded"),
         (dict(model="GEMMA2", attn_backend="sdpa"), ValueError, "trial forward.*softcap.*Hint"),
         (dict(lora=True, _hide_peft=True), ImportError, "--lora needs the `peft` package"),
+        (dict(ddp_timeout=0), ValueError, "--ddp-timeout must be >= 1, got 0"),
     ],
 )
 def test_bad_config_fails_before_training(tmp_path, monkeypatch, overrides, error, pattern):
@@ -383,3 +384,15 @@ def test_loss_and_norm_are_read_together_exactly():
         got = _read_loss_and_norm(loss, norm)
         assert got == (float(loss), float(norm)) and all(type(v) is float for v in got)
     assert _read_loss_and_norm(loss, None) == (float(loss), None)
+
+
+def test_ddp_timeout_reaches_the_process_group(tmp_path):
+    """--ddp-timeout is the timeout accelerate gives init_process_group (where this trainer's
+    Accelerator creates the group), so a stuck rank fails with an error instead of hanging."""
+    import datetime
+
+    trainer = PackedTrainer(tiny(tmp_path, ddp_timeout=45, max_steps=1))
+    try:
+        assert trainer.acc.init_handler.to_kwargs() == {"timeout": datetime.timedelta(seconds=45)}
+    finally:
+        trainer.close()

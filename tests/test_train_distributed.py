@@ -39,6 +39,27 @@ def _texts(lengths):
     ]
 
 
+# A launch of the trainer takes ~10 s. One that hangs (once in CI, in a 2-rank --resume launch)
+# turns into a failure that names where each process was: a collective times out after
+# DDP_TIMEOUT_S with an error on each rank, and failing that the watchdog (launch_watchdog/)
+# dumps every process's stacks and ends it before LAUNCH_TIMEOUT_S.
+LAUNCH_TIMEOUT_S = 600
+DDP_TIMEOUT_S = 180
+WATCHDOG = ROOT / "tests" / "launch_watchdog"
+
+
+def _run_launch(cmd: list[str]) -> subprocess.CompletedProcess:
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{WATCHDOG}{os.pathsep}{ROOT}",
+        "OMP_NUM_THREADS": "1",
+        "HF_VARLEN_TEST_WATCHDOG_S": str(LAUNCH_TIMEOUT_S - 60),
+    }
+    return subprocess.run(
+        cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S
+    )
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -47,7 +68,8 @@ def _free_port() -> int:
 
 def _run(tmp_path: Path, name: str, processes: int, grad_accum: int) -> Path:
     proc = _launch(tmp_path, name, processes, grad_accum)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    # The tail holds a watchdog's stack dumps, when there are any.
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-20000:]
     assert f"on {processes} x cpu" in proc.stdout, proc.stdout[-2000:]
     want = "DDP over gloo" if processes > 1 else "one process"
     assert json.loads((tmp_path / name / "summary.json").read_text())["distribution"] == want
@@ -68,7 +90,7 @@ def _launch(
     flags = (
         f"--tokens-per-batch {BUDGET} --max-length {BUDGET} --grad-accum {grad_accum} "
         f"--max-steps {steps} --no-shuffle --optim sgd --lr 0.05 --lr-schedule constant "
-        "--max-grad-norm 0 --eval-every 2 --no-progress"
+        f"--max-grad-norm 0 --eval-every 2 --no-progress --ddp-timeout {DDP_TIMEOUT_S}"
     ).split() + list(extra)
     data = [
         "--dataset",
@@ -94,8 +116,7 @@ def _launch(
             "hf_varlen.cli",
             *train,
         ]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    return _run_launch(cmd)
 
 
 def _log(run: Path):
@@ -160,7 +181,7 @@ def test_two_process_checkpoints_are_atomic_and_validated_per_rank(tmp_path):
     (tmp_path / "train.json").write_text(json.dumps(_texts(TRAIN_LENGTHS)))
     (tmp_path / "eval.json").write_text(json.dumps(_texts(EVAL_LENGTHS)))
     proc = _launch(tmp_path, "ck", 2, 1, "--save-every", "2", steps=4)
-    assert proc.returncode == 0, proc.stderr[-5000:]
+    assert proc.returncode == 0, proc.stderr[-20000:]
     run = tmp_path / "ck"
     assert sorted(p.name for p in run.iterdir() if "checkpoint" in p.name) == [
         "checkpoint-2",
@@ -180,7 +201,7 @@ def test_two_process_checkpoints_are_atomic_and_validated_per_rank(tmp_path):
     # latest is checkpoint-4 still (it lacks only random states: not skipped for an older one)
     flags = ("--resume", "latest", "--resume-without-rng", "--save-every", "2")
     proc = _launch(tmp_path, "ck", 2, 1, *flags, steps=6)
-    assert proc.returncode == 0, proc.stderr[-5000:]
+    assert proc.returncode == 0, proc.stderr[-20000:]
     assert "resumed from" in proc.stderr and "checkpoint-4 at step 4" in proc.stderr
     assert "fresh random states" in proc.stderr
     steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").open() if '"loss"' in x]
@@ -195,12 +216,12 @@ def test_two_process_resume_continues_identically(tmp_path):
     (tmp_path / "eval.json").write_text(json.dumps(_texts(EVAL_LENGTHS)))
     adam = ("--optim", "adamw", "--lr", "0.01")
     straight = _launch(tmp_path, "straight", 2, 1, *adam, steps=7, shuffle=True)
-    assert straight.returncode == 0, straight.stderr[-5000:]
+    assert straight.returncode == 0, straight.stderr[-20000:]
     part = _launch(tmp_path, "resumed", 2, 1, *adam, "--save-every", "4", steps=4, shuffle=True)
-    assert part.returncode == 0, part.stderr[-5000:]
+    assert part.returncode == 0, part.stderr[-20000:]
     flags = (*adam, "--resume", "latest")
     resumed = _launch(tmp_path, "resumed", 2, 1, *flags, steps=7, shuffle=True)
-    assert resumed.returncode == 0, resumed.stderr[-5000:]
+    assert resumed.returncode == 0, resumed.stderr[-20000:]
     assert "checkpoint-4 at step 4" in resumed.stderr
 
     (a, _), (b, _) = _log(tmp_path / "straight"), _log(tmp_path / "resumed")
@@ -221,7 +242,7 @@ def test_two_processes_with_a_tracker_export_and_summarise(tmp_path):
     (tmp_path / "train.json").write_text(json.dumps(_texts(TRAIN_LENGTHS)))
     (tmp_path / "eval.json").write_text(json.dumps(_texts(EVAL_LENGTHS)))
     proc = _launch(tmp_path, "tb", 2, 1, "--report-to", "tensorboard", steps=3)
-    assert proc.returncode == 0, proc.stderr[-5000:]
+    assert proc.returncode == 0, proc.stderr[-20000:]
     run = tmp_path / "tb"
     assert (run / "final" / "model.safetensors").is_file()
     assert list((run / "tensorboard").rglob("events.out.tfevents.*"))
@@ -270,7 +291,16 @@ def test_two_trainers_in_one_launched_script(tmp_path):
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
     cmd += ["--num_processes", "2", "--main_process_port", str(_free_port()), str(script)]
     cmd += [str(tmp_path / "train.json"), str(tmp_path / "run")]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-5000:]
+    proc = _run_launch(cmd)
+    assert proc.returncode == 0, proc.stderr[-20000:]
     assert 'RUNS ["DDP over gloo", "DDP over gloo"]' in proc.stdout
+
+
+def test_watchdog_dumps_a_hung_launch_and_ends_it():
+    """The launches' watchdog: a process still running after HF_VARLEN_TEST_WATCHDOG_S prints its
+    threads' stacks (naming the frame it hangs in) and exits 1, well before the test's timeout."""
+    cmd = [sys.executable, "-c", "import time\ndef stuck():\n    time.sleep(60)\nstuck()"]
+    env = {**os.environ, "PYTHONPATH": str(WATCHDOG), "HF_VARLEN_TEST_WATCHDOG_S": "1"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 1, proc.stderr
+    assert "Timeout" in proc.stderr and "in stuck" in proc.stderr, proc.stderr

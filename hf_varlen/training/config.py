@@ -190,6 +190,12 @@ class TrainConfig:
     max_steps: int | None = _opt(None, "optimizer steps (overrides --epochs)")
     epochs: float = _opt(1.0, "passes over the training data")
     seed: int = _opt(0, "seed for initialisation, shuffling and packing")
+    ddp_timeout: int = _opt(
+        1800,
+        "seconds a collective of a multi-process run waits for the other ranks before it fails "
+        "with an error (torch's default, 30 min; a lower value turns a stuck rank into an error "
+        "sooner)",
+    )
     # Evaluation.
     eval_split: float = _opt(0.0, "fraction of the data held out for the eval loss")
     eval_dataset: str | None = _opt(None, "separate eval dataset (same format)")
@@ -261,7 +267,9 @@ class TrainConfig:
                 f"--static-shapes and --pad-to-multiple-of {self.pad_to_multiple_of} both set the "
                 "padded length of a micro-batch; pass only one"
             )
-        for name in ("grad_accum", "log_every", "lora_r", "lora_alpha", "builtin_examples"):
+        for name in (
+            "grad_accum", "log_every", "lora_r", "lora_alpha", "builtin_examples", "ddp_timeout",
+        ):  # fmt: skip
             check_int(f"--{_flag(name)}", getattr(self, name), 1)
         for name in ("max_steps", "max_examples", "pad_to_multiple_of", "tokens_per_batch"):
             check_int(f"--{_flag(name)}", getattr(self, name), 1, allow_none=True)

@@ -28,6 +28,7 @@ A new run in an ``--output-dir`` that holds one is refused unless ``--resume`` o
 from __future__ import annotations
 
 import contextlib
+import datetime
 import inspect
 import logging
 import math
@@ -163,7 +164,7 @@ class PackedTrainer:
 
     def __init__(self, cfg: TrainConfig, *, model_hook=None):
         from accelerate import Accelerator
-        from accelerate.utils import set_seed
+        from accelerate.utils import InitProcessGroupKwargs, set_seed
 
         cfg.validate()
         check_backend(cfg)
@@ -184,10 +185,14 @@ class PackedTrainer:
                 log_with=cfg.report_to,
                 project_config=ProjectConfiguration(cfg.output_dir, logging_dir=logging_dir),
             )
+        # The process group's timeout applies where this Accelerator creates the group (a
+        # launched script that made it earlier keeps its own).
+        group = InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=cfg.ddp_timeout))
         self.acc = Accelerator(
             mixed_precision="bf16" if mixed else "no",
             step_scheduler_with_optimizer=False,
             cpu=cpu_requested(),
+            kwargs_handlers=[group],
             **trackers,
         )
         if trackers and not self.acc.log_with:
