@@ -17,8 +17,10 @@
 #   bash scripts/gpu_evidence.sh trl       OUT_DIR   # bench_trl: TRL SFTTrainer, bf16, 1B shape
 #   bash scripts/gpu_evidence.sh baseline  OUT_DIR   # attention/rope timings, .baseline/ vs this tree
 #   bash scripts/gpu_evidence.sh compile   OUT_DIR   # bench_e2e: compiled vs eager at one batch size
-#                                  (HF_VARLEN_BATCH_SIZES, default 32; HF_VARLEN_COMPILE_MODES; a
-#                                   1B-shape compile cell takes 170-215 s on the H200)
+#                                  (HF_VARLEN_BATCH_SIZES, default 32; HF_VARLEN_COMPILE_MODES;
+#                                   HF_VARLEN_REPEATS interleaved runs per cell, default 1; a
+#                                   1B-shape compile cell takes 85-200 s on the H200, a repeat
+#                                   ~45 s from Inductor's cache)
 #   bash scripts/gpu_evidence.sh graphs    OUT_DIR   # bench_e2e: --cuda-graphs on, eager and
 #                                  compiled, B32 and B8; 25 steps, so that steps replaying every
 #                                  shape remain after the capture steps
