@@ -30,32 +30,28 @@ def median_of_repeats(results: list[dict]) -> list[dict]:
     with ``repeat_tokens_per_s`` (every finished repeat, in run order) and ``repeats`` (how many
     ran) added. Host-bound cells swing from run to run, so one run per cell can rank two modes
     either way; interleaved repeats and their median make the ratio a measurement."""
-    cells: dict[tuple, list[dict]] = {}
-    merged: list[dict] = []
-    for r in results:
+    cells: dict[tuple, list[dict]] = {}  # insertion order: each cell where its first run was
+    for i, r in enumerate(results):
         run = r["run"]
-        if run.get("profile"):
-            merged.append(r)
-            continue
-        key = (run["model"], run["data"], run["max_length"], run["batch_size"], run["mode"])
-        if key not in cells:
-            merged.append(key)  # keeps the first repeat's place
+        key = (
+            ("profile", i)
+            if run.get("profile")
+            else (run["model"], run["data"], run["max_length"], run["batch_size"], run["mode"])
+        )
         cells.setdefault(key, []).append(r)
-    out = []
-    for item in merged:
-        if isinstance(item, dict):
-            out.append(item)
-            continue
-        rs = cells[item]
-        ok = sorted((r for r in rs if r.get("status") == "ok"), key=lambda r: r["tokens_per_s"])
-        if len(rs) == 1 or not ok:
-            out.append(rs[0])
-            continue
-        median = dict(ok[(len(ok) - 1) // 2])  # the lower median: a run that happened
-        median["repeats"] = len(rs)
-        median["repeat_tokens_per_s"] = [r["tokens_per_s"] for r in rs if r.get("status") == "ok"]
-        out.append(median)
-    return out
+    return [_median_run(rs) for rs in cells.values()]
+
+
+def _median_run(rs: list[dict]) -> dict:
+    """The run of median tokens/s among the repeats ``rs`` that finished (the lower median: a run
+    that happened), annotated; a single run, or one with no finished repeat, as it is."""
+    if len(rs) == 1:  # also every profile (it has no tokens/s)
+        return rs[0]
+    ok = sorted((r for r in rs if r.get("status") == "ok"), key=lambda r: r["tokens_per_s"])
+    if not ok:
+        return rs[0]
+    finished = [r["tokens_per_s"] for r in rs if r.get("status") == "ok"]
+    return {**ok[(len(ok) - 1) // 2], "repeats": len(rs), "repeat_tokens_per_s": finished}
 
 
 def fmt_cell(r: dict) -> str:
