@@ -41,9 +41,10 @@ such steps are counted in the cell and their excess time goes to the compile tim
 peak GiB (``max_memory_allocated``), MFU = model FLOPs incl. attention / ``--peak-tflops`` (790 on
 the H200, ANCHORS.md), the padding share of the tensors, and the per-step loss. Loss equality: each mode's
 per-step losses against ``padded_sdpa`` (same examples, same order). ``--repeats R`` runs every
-cell R times, interleaved across the modes of a batch size (A B A B), and the tables show the run
-of median tokens/s with the range: host-bound cells (batch 8 on the 1B shape) swing by 20-45%
-between runs of the same commit, so a single run per cell cannot rank two modes that close.
+cell R times, interleaved across the modes of a batch size in alternating order (A B, B A, ...),
+and the tables show the run of median tokens/s with the range: host-bound cells (batch 8 on the
+1B shape) swing by 20-45% between runs of the same commit, so a single run per cell cannot rank
+two modes that close.
 
 Outputs (``--out``): ``results.json`` (streamed after every run), ``e2e_tables.md`` (the tables for
 docs/BENCHMARKS.md), PNGs in ``--plots-dir`` (tokens/s vs batch size per mode, padding efficiency
@@ -547,13 +548,18 @@ def parse_args(argv=None):
 
 def run_grid(args) -> list[dict]:
     """The runs in order: per model, data, length and batch size, ``--repeats`` rounds of every
-    mode, then one profile per model and profile mode. Repeats interleave (A B A B, not A A B B),
-    so a drift of the host's speed during the run reaches every mode of a batch size alike."""
+    mode, then one profile per model and profile mode. Repeats interleave and alternate their
+    order (A B, B A, A B: not A A B B, nor A B A B), so a drift of the host's speed during the run
+    reaches every mode of a batch size alike: in A B A B the second mode always runs later (on the
+    H200 at batch 8 both modes' steps slowed ~30% from the first round to the third)."""
     keys = ("model", "data", "max_length", "batch_size", "repeat", "mode")
-    grid = itertools.product(
-        args.models, args.data, args.max_lengths, args.batch_sizes, range(args.repeats), args.modes
-    )
-    runs = [dict(zip(keys, values, strict=True)) for values in grid]
+    grid = itertools.product(args.models, args.data, args.max_lengths, args.batch_sizes)
+    runs = [
+        dict(zip(keys, (*cell, r, mode), strict=True))
+        for cell in grid
+        for r in range(args.repeats)
+        for mode in (args.modes if r % 2 == 0 else args.modes[::-1])
+    ]
     if args.profile:
         first = dict(data=args.data[0], max_length=args.max_lengths[0])
         for model, mode in itertools.product(args.models, args.profile_modes):
