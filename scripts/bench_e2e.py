@@ -51,7 +51,9 @@ docs/BENCHMARKS.md), PNGs in ``--plots-dir`` (tokens/s vs batch size per mode, p
 vs batch size, loss vs step and vs wall-clock packed vs padded), and with ``--profile`` one
 profiled step per model and profile mode in ``e2e_tables.md``: device time by category, the top
 kernels and host ops (torch.profiler), the top Python functions of 5 more steps (cProfile: the host
-time between ops), and the host-device syncs of one more step with the frames that caused them.
+time between ops), the host-device syncs of one more step with the frames that caused them, and
+where the host's wall time goes in 10 more steps, sampled by py-spy where it is installed
+(e2e_host_sampler: native frames and waits too, at a cost per sample rather than per call).
 
     python scripts/bench_e2e.py --out runs/e2e --plots-dir docs          # the issue's table
     python scripts/bench_e2e.py --models qwen3-8b --layers 8 --batch-sizes 32,128
@@ -369,6 +371,7 @@ def profile_step(trainer, run: dict) -> dict:
     """Time one training step under torch.profiler after ``warmup`` unprofiled ones."""
     import torch
     from e2e_host_profile import PYTHON_STEPS, python_profile, sync_points
+    from e2e_host_sampler import sampled_profile
     from torch.profiler import ProfilerActivity, profile
 
     slots = list(trainer.sampler)
@@ -413,6 +416,7 @@ def profile_step(trainer, run: dict) -> dict:
         "host_top": [(us / 1e3, n, name[:100]) for us, n, name in host[:25]],
         **python_profile(trainer, slots, run["warmup"] + 1),
         **sync_points(trainer, slots[(run["warmup"] + 1 + PYTHON_STEPS) % len(slots)]),
+        **sampled_profile(trainer, slots, run["warmup"] + 2 + PYTHON_STEPS),
         "recompile_reasons": recompile_reasons(),
     }
 

@@ -190,7 +190,32 @@ def write_tables(results: list[dict], padding: list[dict], header: dict, path: P
             total = sum(n for n, _ in r["sync_points"])
             lines += ["", f"Host-device syncs in one step (sync debug mode): {total}", ""]
             lines += [f"- {n} x `{where}`" for n, where in r["sync_points"][:10]]
+        lines += _sampled_lines(r)
     path.write_text("\n".join(lines) + "\n")
+
+
+def _sampled_lines(r: dict) -> list[str]:
+    """The py-spy section of a profiled cell (e2e_host_sampler), or why it did not run."""
+    if "sampled" in r:
+        return ["", f"Host samples (py-spy): {r['sampled']}"]
+    if not r.get("sampled_by_category_ms"):
+        return []
+    lines = [
+        "",
+        f"Host wall time of the step's thread (py-spy, {r['sampled_rate']} Hz, native frames, idle "
+        f"samples kept): {r['sampled_step_ms']:.1f} ms per sampled step "
+        f"({r['sampled_wall_step_ms']:.1f} ms measured while sampling)",
+        "",
+        "| what the thread was doing | ms per step |",
+        "|---|---|",
+    ]
+    lines += [f"| {c} | {ms:.2f} |" for c, ms in r["sampled_by_category_ms"][:14]]
+    lines += ["", "| innermost Python frame > native leaf | ms per step |", "|---|---|"]
+    lines += [f"| `{w}` | {ms:.2f} |" for w, ms in r["sampled_top"][:15]]
+    for t, info in r.get("sampled_threads", {}).items():
+        top = ", ".join(f"{c} {ms:.1f}" for c, ms in info["top"])
+        lines.append(f"- thread {t}: busy {info['busy_ms']:.1f} ms per step ({top})")
+    return lines
 
 
 def write_plots(results: list[dict], padding: list[dict], out_dir: Path) -> list[str]:

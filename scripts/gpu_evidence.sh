@@ -51,6 +51,7 @@ stage=${1:?stage: tests|kernels|attention|e2e|train|trl|baseline}
 out=${2:?OUT_DIR}
 mkdir -p "$out"
 export PYTHONPATH="/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PATH="/tmp/site/bin:$PATH"  # the carried wheels' executables (py-spy for bench_e2e --profile)
 (  # under a lock: stages started side by side must not install into /tmp/site at the same time
     flock 9
     if ! python3 -c "import kernels, trl, xdist" 2>/dev/null && [ -d .gpu-wheels/base ]; then

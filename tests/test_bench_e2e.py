@@ -68,6 +68,8 @@ def test_modes_train_identical_examples_with_equal_losses(tmp_path):
     top = profiled["python_top"]
     assert len(top) == 30 and all(ms >= 0 and calls > 0 for ms, calls, _ in top)
     assert top[0][0] >= top[-1][0]  # by own time, largest first
+    # py-spy's samples of 10 more steps, or why there are none (not installed, cannot attach)
+    assert profiled.get("sampled_step_ms", 0) > 0 or profiled["sampled"].startswith("not run")
     saved = json.loads((tmp_path / "results.json").read_text())
     assert len(saved["results"]) == len(results) and saved["header"]["torch"] == torch.__version__
     assert {p["batch_size"]: p["padded_efficiency"] for p in saved["padding"]}[1] == 1.0
@@ -75,6 +77,9 @@ def test_modes_train_identical_examples_with_equal_losses(tmp_path):
     assert "| 8 | " in tables and "Padding efficiency by batch size" in tables
     assert "Where one step goes" in tables and "top host ops" in tables
     assert "top Python functions (own time)" in tables
+    assert (
+        "Host wall time of the step's thread (py-spy" in tables or "Host samples (py-spy)" in tables
+    )
     assert "hf_varlen: layer kernels off" in tables  # the CPU run says what it did not fuse
     for name in ("e2e_tokens_per_s", "e2e_loss_vs_step", "e2e_loss_vs_time"):
         assert (tmp_path / f"{name}_tiny-llama_builtin_L256.png").stat().st_size > 0
@@ -319,3 +324,75 @@ def test_repeats_interleave_the_modes_and_report_the_median(tmp_path):
         "| 8 | 15.0K (median of 3: 12.0-17.0K), 1.0 GiB | 9.0K (median of 2/3: 9.0-16.0K)" in text
     )
     assert text.count("| 8 |") == 2  # one row per batch size (tokens, MFU), not one per repeat
+
+
+# ---- e2e_host_sampler: the py-spy host profile of a profiled cell ------------------------------
+
+RAW = """\
+thread (11): MainThread;<module> (scripts/bench_e2e.py:9);train_step (hf_varlen/training/loop.py:420);call (/tmp/torchinductor_root/ab/cabc.py:77);run (torch/_inductor/runtime/triton_heuristics.py:1300);cuLaunchKernel (libcuda.so.1) 30
+thread (11): MainThread;<module> (scripts/bench_e2e.py:9);train_step (hf_varlen/training/loop.py:420);_read_loss_and_norm (hf_varlen/training/loop.py:104);at::native::_local_scalar_dense (libtorch_cuda.so);cudaStreamSynchronize (libcudart.so) 20
+thread (11): MainThread;<module> (scripts/bench_e2e.py:9);train_step (hf_varlen/training/loop.py:420);backward (torch/autograd/__init__.py:300);_engine_run_backward (torch/autograd/graph.py:869);pthread_cond_wait (libc.so.6) 40
+thread (11): MainThread;<module> (scripts/bench_e2e.py:9);train_step (hf_varlen/training/loop.py:420);step (torch/optim/adamw.py:200);gc_collect_main (libpython3.12.so) 5
+thread (11): MainThread;<module> (scripts/bench_e2e.py:9);profile_step (scripts/bench_e2e.py:400) 99
+thread (12): pt_autograd_0;backward (torch/_functorch/_aot_autograd/runtime_wrappers.py:2000);call (/tmp/torchinductor_root/cd/ccd.py:10);cuLaunchKernel (libcuda.so.1) 25
+thread (12): pt_autograd_0;0x7f00 (libc.so.6);pthread_cond_wait (libc.so.6) 500
+thread (13): compile_worker;pthread_cond_wait (libc.so.6) 900
+"""
+
+
+def test_sampler_files_each_step_sample_under_what_the_thread_was_doing():
+    import e2e_host_sampler as s
+
+    threads = s.parse_raw(RAW)
+    assert set(threads) == {"11 MainThread", "12 pt_autograd_0", "13 compile_worker"}
+    got = s.summarize(threads, steps=2, rate=100.0)  # one sample = 10 ms / 2 steps = 5 ms a step
+    cats = dict(got["sampled_by_category_ms"])
+    assert cats == {
+        "backward: waiting for the autograd thread": 200.0,
+        "Triton launch (Python)": 150.0,
+        "waiting for the GPU (sync)": 100.0,
+        "garbage collection": 25.0,
+    }  # the 99 samples outside train_step are not the step's
+    assert got["sampled_step_ms"] == 475.0
+    assert got["sampled_top"][1] == (
+        "run (runtime/triton_heuristics.py:1300) > cuLaunchKernel",
+        150.0,
+    )
+    # the autograd thread counts its busy samples only; the idle compile worker is left out
+    assert got["sampled_threads"] == {
+        "12 pt_autograd_0": {"busy_ms": 125.0, "top": [("Inductor graph code (launch calls, allocations)", 125.0)]}
+    }  # fmt: skip
+    assert (
+        "no sample inside train_step"
+        in s.summarize({"1 x": [(["f (a.py:1)"], 3)]}, 1, 1.0)["sampled"]
+    )
+
+
+def test_sampled_profile_reports_why_without_py_spy(monkeypatch):
+    import e2e_host_sampler as s
+
+    monkeypatch.setattr(s.shutil, "which", lambda name: None)
+    assert s.sampled_profile(None, [], 0) == {
+        "sampled": "not run: py-spy is not installed (pip install py-spy)"
+    }
+
+
+def test_sampled_profile_samples_real_steps():
+    """Against this process, where py-spy is installed and may attach (skipped otherwise)."""
+    import e2e_host_sampler as s
+
+    if s.shutil.which("py-spy") is None:
+        pytest.skip("py-spy is not installed")
+
+    class Trainer:
+        def train_step(self, group):
+            t = __import__("time").perf_counter()
+            while __import__("time").perf_counter() - t < 0.05:
+                sum(range(1000))
+
+    got = s.sampled_profile(Trainer(), [[0]], 0)
+    if "could not attach" in got.get("sampled", ""):
+        pytest.skip(got["sampled"])
+    wall = got["sampled_wall_step_ms"]  # ~50 ms; py-spy may miss samples on a loaded machine
+    assert wall / 4 <= got["sampled_step_ms"] <= 2 * wall, got
+    assert dict(got["sampled_by_category_ms"])["other: test_bench_e2e.py"] >= wall / 4, got
