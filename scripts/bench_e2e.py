@@ -52,7 +52,7 @@ vs batch size, loss vs step and vs wall-clock packed vs padded), and with ``--pr
 profiled step per model and profile mode in ``e2e_tables.md``: device time by category, the top
 kernels and host ops (torch.profiler), the top Python functions of 5 more steps (cProfile: the host
 time between ops), the host-device syncs of one more step with the frames that caused them, and
-where the host's wall time goes in 10 more steps, sampled by py-spy where it is installed
+where the host's wall time goes in ~3 s of more steps, sampled by py-spy where it is installed
 (e2e_host_sampler: native frames and waits too, at a cost per sample rather than per call).
 
     python scripts/bench_e2e.py --out runs/e2e --plots-dir docs          # the table

@@ -5,14 +5,18 @@ calls, and both slow the host by a cost per event, which falls unevenly on two m
 different mixes of work. A sampler costs per sample instead, and sees everything the thread does:
 Python frames, native frames below them (a CUDA sync, the garbage collector, the dispatcher), and
 time spent waiting. ``sampled_profile`` attaches ``py-spy record --native --idle --threads`` to
-this process for ``SAMPLED_STEPS`` more steps and files every main-thread sample taken inside
+this process for ~``SAMPLED_SECONDS`` of more steps and files every main-thread sample taken inside
 ``train_step`` under one category: the innermost Python frame's package, or a native wait / sync /
 collection below it. Other threads (the autograd engine's device thread runs a CUDA backward) are
 reported by their busy samples.
 
-py-spy pauses the process for each sample (blocking mode, needed for native frames), so the
-sampled step is a few percent slower than an unsampled one; compare modes with each other. Where
-py-spy is missing or cannot attach (no ptrace permission), the result says so and nothing fails.
+py-spy pauses the process for each sample (blocking mode, needed for native frames) while it
+unwinds the stack, so a sampled step is slower than an unsampled one: the report gives the step's
+wall time while sampling, to set against the cell's own step time. The pauses stop the host, not
+the GPU, so they shorten waits for the GPU; compare modes with each other, on an otherwise idle
+machine (a sampled tiny-model CPU step took 1.9x its unsampled time on 2 idle cores, 12x on 2
+busy ones). Where py-spy is
+missing or cannot attach (no ptrace permission), the result says so and nothing fails.
 
 Raw format (``--format raw --threads``), one line per distinct stack, root first:
 
@@ -33,8 +37,12 @@ import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
-SAMPLED_STEPS = 10
-RATE = 250  # samples per second
+# Sample for about this long (at least MIN_STEPS steps, at most MAX_STEPS): ~300 samples, enough to
+# tell a category of 10% of the step from 5% (a 45 ms batch-8 step: ~65 steps). A low rate, since
+# each sample pauses the process while py-spy unwinds its native stack (module doc).
+SAMPLED_SECONDS = 3.0
+MIN_STEPS, MAX_STEPS = 5, 100
+RATE = 100  # samples per second
 
 _PY_FRAME = re.compile(r"^(?P<func>.*) \((?P<file>[^()]*\.py|<[^>]+>):(?P<line>\d+)\)$")
 _STEP_FRAME = re.compile(r"(^|\.)train_step \(")  # py-spy prints qualified names (Class.method)
@@ -125,8 +133,9 @@ def leaf(frames: list[str]) -> str:
 
 
 def summarize(threads: dict, steps: int, rate: float) -> dict:
-    """ms per step by category and by leaf for the thread running ``train_step``, and the busy
-    (non-idle) ms per step of every other thread that has Python frames."""
+    """ms per step by category and by leaf for the thread running ``train_step``, and the same
+    over the busy (non-idle) samples of every other thread that runs Python (on CUDA the autograd
+    engine's device thread runs the backward while the step's thread waits for it)."""
     per_sample_ms = 1e3 / rate / steps
 
     def in_step(frames: list[str]) -> bool:
@@ -146,14 +155,16 @@ def summarize(threads: dict, steps: int, rate: float) -> dict:
     for t, stacks in threads.items():
         if t == main:
             continue
-        busy = Counter()
+        busy, busy_leaf = Counter(), Counter()
         for frames, n in stacks:
             if _innermost_python(frames)[1] is not None and not _IDLE.search(frames[-1]):
                 busy[category(frames)] += n
+                busy_leaf[leaf(frames)] += n
         if sum(busy.values()) * per_sample_ms >= 0.5:  # threads busy >= 0.5 ms a step
             others[t] = {
                 "busy_ms": sum(busy.values()) * per_sample_ms,
-                "top": [(c, n * per_sample_ms) for c, n in busy.most_common(4)],
+                "by_category_ms": [(c, n * per_sample_ms) for c, n in busy.most_common()],
+                "top": [(w, n * per_sample_ms) for w, n in busy_leaf.most_common(10)],
             }
     return {
         "sampled_step_ms": sum(by_cat.values()) * per_sample_ms,
@@ -172,7 +183,8 @@ def _first_line(proc: subprocess.Popen, timeout: float) -> str:
 
 
 def sampled_profile(trainer, slots: list, first: int) -> dict:
-    """``SAMPLED_STEPS`` more steps under py-spy (module doc); {"sampled": why} when it cannot."""
+    """More steps under py-spy for ~``SAMPLED_SECONDS`` (module doc); {"sampled": why} when it
+    cannot run."""
     import torch
 
     exe = shutil.which("py-spy")
@@ -193,8 +205,12 @@ def sampled_profile(trainer, slots: list, first: int) -> dict:
         sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
         sync()
         t0 = time.perf_counter()
-        for i in range(SAMPLED_STEPS):
-            trainer.train_step([slots[(first + i) % len(slots)]])
+        steps = 0
+        while steps < MIN_STEPS or (
+            time.perf_counter() - t0 < SAMPLED_SECONDS and steps < MAX_STEPS
+        ):
+            trainer.train_step([slots[(first + steps) % len(slots)]])
+            steps += 1
         sync()
         wall = time.perf_counter() - t0
         proc.send_signal(signal.SIGINT)  # py-spy writes its file on Ctrl-C
@@ -204,5 +220,10 @@ def sampled_profile(trainer, slots: list, first: int) -> dict:
         if proc.poll() is None:
             proc.kill()
         Path(out).unlink(missing_ok=True)
-    summary = summarize(parse_raw(text), SAMPLED_STEPS, RATE)
-    return {**summary, "sampled_wall_step_ms": 1e3 * wall / SAMPLED_STEPS, "sampled_rate": RATE}
+    summary = summarize(parse_raw(text), steps, RATE)
+    return {
+        **summary,
+        "sampled_steps": steps,
+        "sampled_wall_step_ms": 1e3 * wall / steps,
+        "sampled_rate": RATE,
+    }

@@ -202,8 +202,9 @@ def _sampled_lines(r: dict) -> list[str]:
         return []
     lines = [
         "",
-        f"Host wall time of the step's thread (py-spy, {r['sampled_rate']} Hz, native frames, idle "
-        f"samples kept): {r['sampled_step_ms']:.1f} ms per sampled step "
+        f"Host wall time of the step's thread (py-spy, {r['sampled_rate']} Hz over "
+        f"{r['sampled_steps']} steps, native frames, idle samples kept): "
+        f"{r['sampled_step_ms']:.1f} ms per sampled step "
         f"({r['sampled_wall_step_ms']:.1f} ms measured while sampling)",
         "",
         "| what the thread was doing | ms per step |",
@@ -213,8 +214,11 @@ def _sampled_lines(r: dict) -> list[str]:
     lines += ["", "| innermost Python frame > native leaf | ms per step |", "|---|---|"]
     lines += [f"| `{w}` | {ms:.2f} |" for w, ms in r["sampled_top"][:15]]
     for t, info in r.get("sampled_threads", {}).items():
-        top = ", ".join(f"{c} {ms:.1f}" for c, ms in info["top"])
-        lines.append(f"- thread {t}: busy {info['busy_ms']:.1f} ms per step ({top})")
+        lines += ["", f"Thread {t}: busy {info['busy_ms']:.1f} ms per step", ""]
+        lines += ["| what it was doing | ms per step |", "|---|---|"]
+        lines += [f"| {c} | {ms:.2f} |" for c, ms in info["by_category_ms"][:10]]
+        lines += ["", "| innermost Python frame > native leaf | ms per step |", "|---|---|"]
+        lines += [f"| `{w}` | {ms:.2f} |" for w, ms in info["top"][:10]]
     return lines
 
 

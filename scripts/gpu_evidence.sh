@@ -178,7 +178,7 @@ compile)  # one batch size per call: the four B32 cells took 434 s (two 1B-shape
     modes=${HF_VARLEN_COMPILE_MODES:-minimal_varlen,minimal_varlen-compile,hf_varlen,hf_varlen-compile}
     batches=${HF_VARLEN_BATCH_SIZES:-32}
     # HF_VARLEN_PROFILE_MODES: also profile these modes at the first batch size (op profile,
-    # cProfile of 5 steps, the step's host-device syncs, py-spy samples of 10 steps when the
+    # cProfile of 5 steps, the step's host-device syncs, py-spy samples of ~3 s of steps when the
     # py-spy wheel is among the carried ones)
     profile=()
     if [ -n "${HF_VARLEN_PROFILE_MODES:-}" ]; then

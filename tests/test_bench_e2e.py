@@ -68,7 +68,7 @@ def test_modes_train_identical_examples_with_equal_losses(tmp_path):
     top = profiled["python_top"]
     assert len(top) == 30 and all(ms >= 0 and calls > 0 for ms, calls, _ in top)
     assert top[0][0] >= top[-1][0]  # by own time, largest first
-    # py-spy's samples of 10 more steps, or why there are none (not installed, cannot attach)
+    # py-spy's samples of ~3 s of more steps, or why there are none (not installed, cannot attach)
     assert profiled.get("sampled_step_ms", 0) > 0 or profiled["sampled"].startswith("not run")
     saved = json.loads((tmp_path / "results.json").read_text())
     assert len(saved["results"]) == len(results) and saved["header"]["torch"] == torch.__version__
@@ -360,12 +360,24 @@ def test_sampler_files_each_step_sample_under_what_the_thread_was_doing():
     )
     # the autograd thread counts its busy samples only; the idle compile worker is left out
     assert got["sampled_threads"] == {
-        "12 pt_autograd_0": {"busy_ms": 125.0, "top": [("Inductor graph code (launch calls, allocations)", 125.0)]}
-    }  # fmt: skip
+        "12 pt_autograd_0": {
+            "busy_ms": 125.0,
+            "by_category_ms": [("Inductor graph code (launch calls, allocations)", 125.0)],
+            "top": [("call (cd/ccd.py:10) > cuLaunchKernel", 125.0)],
+        }
+    }
     assert (
         "no sample inside train_step"
         in s.summarize({"1 x": [(["f (a.py:1)"], 3)]}, 1, 1.0)["sampled"]
     )
+    import e2e_report
+
+    cell = {**got, "sampled_steps": 2, "sampled_wall_step_ms": 480.0, "sampled_rate": 100}
+    text = "\n".join(e2e_report._sampled_lines(cell))
+    assert "100 Hz over 2 steps" in text and "| waiting for the GPU (sync) | 100.00 |" in text
+    assert "Thread 12 pt_autograd_0: busy 125.0 ms per step" in text
+    not_run = e2e_report._sampled_lines({"sampled": "not run: x"})
+    assert not_run == ["", "Host samples (py-spy): not run: x"]
 
 
 def test_sampled_profile_reports_why_without_py_spy(monkeypatch):
