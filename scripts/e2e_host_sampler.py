@@ -15,8 +15,8 @@ unwinds the stack, so a sampled step is slower than an unsampled one: the report
 wall time while sampling, to set against the cell's own step time. The pauses stop the host, not
 the GPU, so they shorten waits for the GPU; compare modes with each other, on an otherwise idle
 machine (a sampled tiny-model CPU step took 1.9x its unsampled time on 2 idle cores, 12x on 2
-busy ones). Where py-spy is
-missing or cannot attach (no ptrace permission), the result says so and nothing fails.
+busy ones). Where py-spy is missing or cannot attach (no ptrace permission), the result says so
+and nothing fails.
 
 Raw format (``--format raw --threads``), one line per distinct stack, root first:
 
