@@ -174,12 +174,24 @@ def summarize(threads: dict, steps: int, rate: float) -> dict:
     }
 
 
-def _first_line(proc: subprocess.Popen, timeout: float) -> str:
+def _wait_attached(proc: subprocess.Popen, timeout: float) -> tuple[bool, str]:
+    """(attached, py-spy's output so far): read its lines until the one it prints once sampling
+    ("Sampling process ..."), its exit, or ``timeout`` seconds; a warning before it is kept."""
     sel = selectors.DefaultSelector()
     sel.register(proc.stdout, selectors.EVENT_READ)
-    ready = sel.select(timeout)
-    sel.close()
-    return proc.stdout.readline() if ready else ""
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout
+    try:
+        while (left := deadline - time.monotonic()) > 0 and sel.select(left):
+            line = proc.stdout.readline()
+            if not line:  # py-spy exited
+                break
+            seen.append(line)
+            if "Sampling" in line:
+                return True, "".join(seen)
+    finally:
+        sel.close()
+    return False, "".join(seen)
 
 
 def sampled_profile(trainer, slots: list, first: int) -> dict:
@@ -196,11 +208,11 @@ def sampled_profile(trainer, slots: list, first: int) -> dict:
     cmd += ["--rate", str(RATE), "--format", "raw", "-o", out]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        line = _first_line(proc, timeout=30.0)
-        if "Sampling" not in line:  # py-spy prints this once attached, else its error
+        attached, said = _wait_attached(proc, timeout=30.0)
+        if not attached:
             proc.kill()
             rest = proc.communicate(timeout=30)[0]
-            why = " ".join((line + rest).split())[:300] or "no output in 30 s"
+            why = " ".join((said + rest).split())[:300] or "no output in 30 s"
             return {"sampled": f"not run: py-spy could not attach: {why}"}
         sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
         sync()

@@ -47,10 +47,11 @@ def _median_run(rs: list[dict]) -> dict:
     that happened), annotated; a single run, or one with no finished repeat, as it is."""
     if len(rs) == 1:  # also every profile (it has no tokens/s)
         return rs[0]
-    ok = sorted((r for r in rs if r.get("status") == "ok"), key=lambda r: r["tokens_per_s"])
-    if not ok:
+    done = [r for r in rs if r.get("status") == "ok"]  # in run order
+    if not done:
         return rs[0]
-    finished = [r["tokens_per_s"] for r in rs if r.get("status") == "ok"]
+    ok = sorted(done, key=lambda r: r["tokens_per_s"])
+    finished = [r["tokens_per_s"] for r in done]
     return {**ok[(len(ok) - 1) // 2], "repeats": len(rs), "repeat_tokens_per_s": finished}
 
 

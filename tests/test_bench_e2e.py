@@ -408,3 +408,23 @@ def test_sampled_profile_samples_real_steps():
     wall = got["sampled_wall_step_ms"]  # ~50 ms; py-spy may miss samples on a loaded machine
     assert wall / 4 <= got["sampled_step_ms"] <= 2 * wall, got
     assert dict(got["sampled_by_category_ms"])["other: test_bench_e2e.py"] >= wall / 4, got
+
+
+def test_sampler_waits_past_py_spy_warnings_and_reports_its_error():
+    import subprocess
+
+    import e2e_host_sampler as s
+
+    def spy(script):
+        return subprocess.Popen(
+            ["bash", "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+
+    warned = spy("echo 'py-spy> warning: x'; echo 'py-spy> Sampling process 100 times'; sleep 5")
+    attached, said = s._wait_attached(warned, timeout=10.0)
+    warned.kill()
+    warned.wait()
+    assert attached and said.startswith("py-spy> warning: x")
+    refused = spy("echo 'Error: Permission Denied'; exit 1")
+    assert s._wait_attached(refused, timeout=10.0) == (False, "Error: Permission Denied\n")
+    refused.wait()
