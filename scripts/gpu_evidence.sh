@@ -7,6 +7,8 @@
 #   bash scripts/gpu_evidence.sh suite     OUT_DIR   # the same in one pytest-xdist run (faster)
 #   bash scripts/gpu_evidence.sh pytest    OUT_DIR ARGS...  # one pytest run with these arguments
 #   bash scripts/gpu_evidence.sh cmd       OUT_DIR NAME SECS CMD...  # any command, logged as NAME
+#   bash scripts/gpu_evidence.sh bisect    OUT_DIR ARGS...  # one pytest run (ARGS) in this tree and
+#                                  in each older tree under .bisect/, side by side (below)
 #   bash scripts/gpu_evidence.sh kernels   OUT_DIR   # bench_rope / glu / rmsnorm / loss
 #   bash scripts/gpu_evidence.sh attention OUT_DIR   # bench_attention: 32/8/128 on every case,
 #                                  then the other head configs on three cases
@@ -43,13 +45,20 @@
 # anchor) against an older tree unpacked in .baseline/ (carry it):
 #   git archive REV hf_varlen scripts | (mkdir -p .baseline && tar -x -C .baseline)
 #
+# `bisect` tells which commit broke a GPU-only test in one call: unpack each older tree first,
+#   git archive REV hf_varlen tests pyproject.toml | (mkdir -p .bisect/REV && tar -x -C .bisect/REV)
+# and carry `.bisect`. Every tree runs the same pytest ARGS at once, each with its own Inductor
+# cache (a cache hit must not hide a compile failure), logged as OUT_DIR/bisect_<tree>.log; the
+# step timeout is HF_VARLEN_STEP_TIMEOUT (default 300).
+#
 # `train` and `e2e` read the shared data from runs/shared (carry it): alpaca_5000.json, lima.json
 # and the qwen2 tokenizer folder. FA4 joins `attention` when it is importable (GPU.md's two calls).
 # Every step has its own timeout, so a slow one never hides the others' results.
 set -uo pipefail
-stage=${1:?stage: tests|kernels|attention|e2e|train|trl|baseline}
+stage=${1:?stage: tests|suite|pytest|bisect|cmd|kernels|attention|e2e|train|trl|baseline|compile|...}
 out=${2:?OUT_DIR}
 mkdir -p "$out"
+out=$(cd "$out" && pwd)  # absolute: some stages run from another directory
 export PYTHONPATH="/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PATH="/tmp/site/bin:$PATH"  # the carried wheels' executables (py-spy for bench_e2e --profile)
 (  # under a lock: stages started side by side must not install into /tmp/site at the same time
@@ -116,6 +125,19 @@ suite)
 pytest)
     shift 2
     step "pytest_${HF_VARLEN_STEP_NAME:-args}" "${HF_VARLEN_STEP_TIMEOUT:-540}" python3 -m pytest "$@"
+    ;;
+bisect)
+    shift 2
+    for tree in . .bisect/*/; do
+        [ -d "$tree/hf_varlen" ] || continue
+        name=$(basename "$(cd "$tree" && pwd)")
+        [ "$tree" = . ] && name=head
+        # cd into the tree: its hf_varlen and tests come first on sys.path (python -m puts the cwd
+        # before PYTHONPATH, which holds this tree)
+        (cd "$tree" && TORCHINDUCTOR_CACHE_DIR="/tmp/inductor_bisect_$name" \
+            step "bisect_$name" "${HF_VARLEN_STEP_TIMEOUT:-300}" python3 -m pytest "$@") &
+    done
+    wait
     ;;
 cmd)  # cmd OUT_DIR NAME SECONDS CMD...: any command in this environment (a diagnostic)
     shift 2
