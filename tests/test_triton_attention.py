@@ -41,8 +41,15 @@ def check(lengths, h_q, h_kv, d, dtype, *, lengths_k=None, seed=0, **kw):
     ref = lambda a, b, c: attention_reference(a, b, c, cu_q, cu_k, **kw)  # noqa: E731
     lo = _run(ref, q, k, v, grad_out)
     hi = _run(ref, *(t.double() for t in (q, k, v, grad_out)))
+    # Each output and gradient sums over a document's rows (out, dq over its keys; dk, dv over its
+    # queries). In fp32 the kernel rounds every partial sum in the output's dtype, in its own
+    # (blockwise) order, so the rule's reduction floor applies (hf_varlen/testing.py, ``terms``);
+    # the fp32 reference's one-matmul error alone is no yardstick for that (dv of [9, 20] x 80:
+    # 3.7x it on one seed, 0.96-2.1x on three others, the split and fused backward alike). In
+    # fp16/bf16 the kernel accumulates in fp32 and rounds once: one term.
+    terms = max(1, *lengths, *lengths_k) if dtype == torch.float32 else 1
     for name, x, h, low, factor in zip(("out", "dq", "dk", "dv"), got, hi, lo, (2, 3, 3, 3)):
-        assert_numerics(f"triton {name} {lengths[:6]} {kw}", x, h, low, factor=factor)
+        assert_numerics(f"triton {name} {lengths[:6]} {kw}", x, h, low, factor=factor, terms=terms)
     return got
 
 
