@@ -1,8 +1,10 @@
 """`flex`: FlexAttention with a document BlockMask.
 
 The BlockMask (and the per-token document ids it reads) is built once per batch and cached on the
-identity of the cu_seqlens tensors, so every layer of a forward pass shares it. On CUDA the
-attention call and the mask build are compiled (FlexAttention's fast path); on CPU they run eagerly.
+identity of the cu_seqlens tensors, so every layer of a forward pass shares it. Its block tables come
+from ``cu_seqlens`` alone (``flex_blocks``: an opaque op, never traced by torch.compile); the
+``mask_mod`` decides inside the partial blocks. On CUDA the attention call is compiled
+(FlexAttention's fast path); on CPU it runs eagerly.
 
 Layout: flex wants (1, H, T, D); the packed (T, H, D) inputs are viewed as such without copies.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..ops.common import TensorCache, causal_window
+from .flex_blocks import document_block_tables
 from .registry import BackendSpec, register_backend
 
 _MASKS = TensorCache(size=2)  # a model with sliding and full layers uses two masks per batch
@@ -19,15 +22,15 @@ _BLOCK = 128
 _COMPILED = {}
 
 
-def _flex_fns(device_type: str):
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+def _flex_attention(device_type: str):
+    from torch.nn.attention.flex_attention import flex_attention
 
     if device_type != "cuda":
-        return flex_attention, create_block_mask
+        return flex_attention
     if "attn" not in _COMPILED:
         # dynamic=None: the first pack compiles static, later pack sizes reuse one dynamic graph
         _COMPILED["attn"] = torch.compile(flex_attention, dynamic=None)
-    return _COMPILED["attn"], create_block_mask
+    return _COMPILED["attn"]
 
 
 def _doc_index(cu: torch.Tensor, total: int):
@@ -37,9 +40,11 @@ def _doc_index(cu: torch.Tensor, total: int):
     trailing document, so they never see a real token and no real token sees them.
     """
     tok = torch.arange(total, device=cu.device, dtype=torch.int32)
-    doc = torch.searchsorted(cu[1:].contiguous(), tok, right=True)
-    lengths = torch.cat([cu.diff(), (total - cu[-1:]).to(cu.dtype)])
-    return doc, tok - cu[doc], lengths
+    # Offsets with the padding document's end: (N + 2,), never a size-1 slice of a one-document
+    # pack (under torch.compile a symbolic size of 1 specialises: a graph of its own).
+    ends = torch.cat([cu, cu.new_full((1,), total)])
+    doc = torch.searchsorted(ends[1:], tok, right=True)
+    return doc, tok - ends[doc], ends[1:] - ends[:-1]
 
 
 def document_block_mask(cu_q, cu_k, total_q, total_k, *, causal, window_size):
@@ -47,7 +52,8 @@ def document_block_mask(cu_q, cu_k, total_q, total_k, *, causal, window_size):
     left, right = causal_window(causal, window_size)
 
     def build():
-        _, create_block_mask = _flex_fns(cu_q.device.type)
+        from torch.nn.attention.flex_attention import BlockMask
+
         doc_q, pos_q, len_q = _doc_index(cu_q, total_q)
         doc_k, pos_k, len_k = _doc_index(cu_k, total_k)
         shift = (len_k - len_q).to(torch.int32)  # bottom-right alignment when L_k != L_q
@@ -68,29 +74,30 @@ def document_block_mask(cu_q, cu_k, total_q, total_k, *, causal, window_size):
                 ok = ok & (rel >= lo)
             return ok
 
-        return create_block_mask(
-            mask_mod,
-            None,
-            None,
-            total_q,
-            total_k,
-            device=cu_q.device,
-            # Eager: compile the mask build (the uncompiled one materialises T x T); inside a
-            # compiled model it is traced like any other code (_compile would warn there).
-            _compile=cu_q.device.type == "cuda" and not torch.compiler.is_compiling(),
+        tables = document_block_tables(cu_q, cu_k, total_q, total_k, left, right, _BLOCK)
+        names = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")
+        names += tuple(n.replace("kv", "q") for n in names)
+        return BlockMask(
+            seq_lengths=(total_q, total_k),
+            # (1, 1, ...) added outside the op: a 4-D op output guards on blocks > 1 (memory format)
+            **{name: t[None, None] for name, t in zip(names, tables, strict=True)},
+            BLOCK_SIZE=(_BLOCK, _BLOCK),
+            mask_mod=mask_mod,
         )
 
     return _MASKS.get_or_compute((cu_q, cu_k), build, extra=(total_q, total_k, left, right))
 
 
 def flex_backend(q, k, v, metadata, params):
-    attn, _ = _flex_fns(q.device.type)
+    attn = _flex_attention(q.device.type)
     t_q = q.shape[0]
     # Pad the token axis to a multiple of the 128-token block: FlexAttention's compiled kernels have
     # no valid config for some short sequences (torch 2.11: NoValidChoicesError at T=116), and
     # fewer distinct shapes also means fewer recompiles. Pad tokens form their own document.
     pad_q, pad_k = -t_q % _BLOCK, -k.shape[0] % _BLOCK
-    if pad_q or pad_k:
+    # Traced, pad always (by 0 where aligned): a branch on the symbolic remainder would be a guard,
+    # and aligned packs would compile a graph of their own.
+    if torch.compiler.is_compiling() or pad_q or pad_k:
         q = torch.nn.functional.pad(q, (0, 0, 0, 0, 0, pad_q))
         k = torch.nn.functional.pad(k, (0, 0, 0, 0, 0, pad_k))
         v = torch.nn.functional.pad(v, (0, 0, 0, 0, 0, pad_k))
