@@ -41,9 +41,10 @@ def _doc_index(cu: torch.Tensor, total: int):
     """
     tok = torch.arange(total, device=cu.device, dtype=torch.int32)
     # Offsets with the padding document's end: (N + 2,), never a size-1 slice of a one-document
-    # pack (under torch.compile a symbolic size of 1 specialises: a graph of its own).
+    # pack (under torch.compile a symbolic size of 1 specialises: a graph of its own). Inductor's
+    # searchsorted (torch 2.11) cannot read its boundaries through a slice view: NotImplementedError.
     ends = torch.cat([cu, cu.new_full((1,), total)])
-    doc = torch.searchsorted(ends[1:], tok, right=True)
+    doc = torch.searchsorted(ends[1:].contiguous(), tok, right=True)  # Inductor 2.11: no views
     return doc, tok - ends[doc], ends[1:] - ends[:-1]
 
 
