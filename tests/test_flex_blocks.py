@@ -1,4 +1,4 @@
-"""The flex backend's block tables (``hf_varlen.backends.flex_blocks``), on CPU.
+"""The flex backend's mask inputs (``hf_varlen.backends.flex_blocks``); CPU unless marked gpu.
 
 - Equal, tensor for tensor, to what ``create_block_mask`` finds by evaluating the backend's own
   ``mask_mod`` on every (q, kv) pair: causal and not, left / right / two-sided windows, windows
@@ -21,7 +21,7 @@ import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
 from hf_varlen.backends import flex
-from hf_varlen.backends.flex_blocks import document_block_tables
+from hf_varlen.backends.flex_blocks import document_tables
 
 TABLES = (
     "kv_num_blocks",
@@ -86,7 +86,7 @@ def test_block_tables_equal_create_block_mask(lq, lk, causal, window, spare):
 def test_opcheck_block_tables():
     cu_q, cu_k = _cu([200, 7, 90]), _cu([150, 60, 1])
     for args in ((cu_q, cu_q, 384, 384, -1, 0, 128), (cu_q, cu_k, 384, 256, 50, 3, 128)):
-        torch.library.opcheck(document_block_tables, args)
+        torch.library.opcheck(document_tables, args)
 
 
 def test_compiled_flex_forward_keeps_block_tables_opaque():
@@ -119,7 +119,7 @@ def test_compiled_flex_forward_keeps_block_tables_opaque():
             lo = attend(q, k, v, cu, max(lengths))
             hi = attend(q.double(), k.double(), v.double(), cu, max(lengths), "reference")
         assert_numerics(f"flex {lengths}", got, hi, lo)
-    tables = [s for s in seen if "flex_document_block_tables" in s]
+    tables = [s for s in seen if "flex_document_tables" in s]
     assert tables and not [s for s in seen if "argsort" in s or "sort." in s], seen
     assert len(compiles) <= 2, len(compiles)
 

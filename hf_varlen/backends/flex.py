@@ -1,9 +1,9 @@
 """`flex`: FlexAttention with a document BlockMask.
 
-The BlockMask (and the per-token document ids it reads) is built once per batch and cached on the
-identity of the cu_seqlens tensors, so every layer of a forward pass shares it. Its block tables come
-from ``cu_seqlens`` alone (``flex_blocks``: an opaque op, never traced by torch.compile); the
-``mask_mod`` decides inside the partial blocks. On CUDA the attention call is compiled
+The BlockMask is built once per batch and cached on the identity of the cu_seqlens tensors, so
+every layer of a forward pass shares it. Its block tables and the per-token document ids its
+``mask_mod`` reads come from ``cu_seqlens`` alone, in one opaque op that torch.compile never traces
+(``flex_blocks``); the ``mask_mod`` decides inside the partial blocks. On CUDA the attention call is compiled
 (FlexAttention's fast path); on CPU it runs eagerly.
 
 Layout: flex wants (1, H, T, D); the packed (T, H, D) inputs are viewed as such without copies.
@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..ops.common import TensorCache, causal_window
-from .flex_blocks import document_block_tables
+from .flex_blocks import document_tables
 from .registry import BackendSpec, register_backend
 
 _MASKS = TensorCache(size=2)  # a model with sliding and full layers uses two masks per batch
@@ -33,21 +33,6 @@ def _flex_attention(device_type: str):
     return _COMPILED["attn"]
 
 
-def _doc_index(cu: torch.Tensor, total: int):
-    """Per-token document id, position inside the document, and per-document lengths (device ops).
-
-    Tokens past cu[-1] (the padding added to reach a multiple of the block size) form one extra
-    trailing document, so they never see a real token and no real token sees them.
-    """
-    tok = torch.arange(total, device=cu.device, dtype=torch.int32)
-    # Offsets with the padding document's end: (N + 2,), never a size-1 slice of a one-document
-    # pack (under torch.compile a symbolic size of 1 specialises: a graph of its own). Inductor's
-    # searchsorted (torch 2.11) cannot read its boundaries through a slice view: NotImplementedError.
-    ends = torch.cat([cu, cu.new_full((1,), total)])
-    doc = torch.searchsorted(ends[1:].contiguous(), tok, right=True)  # Inductor 2.11: no views
-    return doc, tok - ends[doc], ends[1:] - ends[:-1]
-
-
 def document_block_mask(cu_q, cu_k, total_q, total_k, *, causal, window_size):
     """BlockMask allowing (q, kv) pairs inside one document, under the FA visibility rules."""
     left, right = causal_window(causal, window_size)
@@ -55,9 +40,9 @@ def document_block_mask(cu_q, cu_k, total_q, total_k, *, causal, window_size):
     def build():
         from torch.nn.attention.flex_attention import BlockMask
 
-        doc_q, pos_q, len_q = _doc_index(cu_q, total_q)
-        doc_k, pos_k, len_k = _doc_index(cu_k, total_k)
-        shift = (len_k - len_q).to(torch.int32)  # bottom-right alignment when L_k != L_q
+        doc_q, pos_q, doc_k, pos_k, shift, *tables = document_tables(
+            cu_q, cu_k, total_q, total_k, left, right, _BLOCK
+        )
         # The window reaches the mask as device tensors, not ints: under the compiled flex call an
         # int captured by mask_mod turns symbolic once a second window value is seen (automatic
         # dynamic), and Inductor cannot lower a symbolic int inside a mask (torch 2.11 / 2.13).
@@ -75,12 +60,10 @@ def document_block_mask(cu_q, cu_k, total_q, total_k, *, causal, window_size):
                 ok = ok & (rel >= lo)
             return ok
 
-        tables = document_block_tables(cu_q, cu_k, total_q, total_k, left, right, _BLOCK)
         names = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")
         names += tuple(n.replace("kv", "q") for n in names)
         return BlockMask(
             seq_lengths=(total_q, total_k),
-            # (1, 1, ...) added outside the op: a 4-D op output guards on blocks > 1 (memory format)
             **{name: t[None, None] for name, t in zip(names, tables, strict=True)},
             BLOCK_SIZE=(_BLOCK, _BLOCK),
             mask_mod=mask_mod,

@@ -1,26 +1,34 @@
-"""FlexAttention block tables of a packed document mask, computed from ``cu_seqlens`` alone.
+"""FlexAttention's inputs for a packed document mask, computed from ``cu_seqlens`` alone.
 
-``document_block_tables(cu_q, cu_k, total_q, total_k, left, right, block)`` returns the eight
-tensors of a ``BlockMask`` (partial and full blocks, KV-major and Q-major) for the mask "same
-document, key inside the window around the bottom-right-aligned diagonal" that the flex backend's
-``mask_mod`` evaluates, exactly as ``create_block_mask`` would find them by evaluating that
-``mask_mod`` on every (q, kv) pair, but in O(T + blocks^2) work: each query row sees one contiguous
-key interval, so per-block counts of the rows that touch / fully cover each key block are two
-difference arrays and a cumulative sum.
+``document_tables(cu_q, cu_k, total_q, total_k, left, right, block)`` returns what the flex
+backend's ``mask_mod`` reads (each token's document and position in it, each document's diagonal
+shift) and the eight block tables of its ``BlockMask`` (partial and full blocks, KV-major and
+Q-major) for the mask "same document, key inside the window around the bottom-right-aligned
+diagonal": exactly the tables ``create_block_mask`` finds by evaluating that ``mask_mod`` on every
+(q, kv) pair, but in O(T + blocks^2) work. Each query row sees one contiguous key interval, so
+per-block counts of the rows that touch / fully cover each key block are two difference arrays and
+a cumulative sum.
 
-It is an opaque ``torch.library`` op with a fake, so torch.compile never traces it: Inductor's
-lowering of ``create_block_mask`` under dynamic token counts fails in torch 2.11 (``CantSplit`` on
-the ``(blocks, blocks)`` tables, H200, commit a4f1b57), and the eager build needs no compile of
-its own either.
+It is one opaque ``torch.library`` op with a fake, so torch.compile traces none of it. Inductor in
+torch 2.11 (H200) fails on both halves of the traced build under dynamic token counts:
+``create_block_mask``'s tables (``CantSplit`` on the ``(blocks, blocks)`` reshapes, commit a4f1b57)
+and ``searchsorted`` over offsets computed in the graph (``NotImplementedError: SliceView``,
+635f678). Eager, the mask build needs no compile of its own either.
 
 Shapes (``nq = total_q // block``, ``nk = total_k // block``; totals are multiples of ``block``;
-tokens past ``cu[-1]`` form one trailing padding document)::
+tokens past ``cu[-1]`` form one trailing padding document, so N + 1 documents in all)::
 
-    cu_q, cu_k                       (N + 1,) int32   cumulative document lengths
-    kv_num_blocks, full_kv_num_blocks (1, 1, nq)      int32
-    kv_indices, full_kv_indices       (1, 1, nq, nk)  int32
-    q_num_blocks, full_q_num_blocks   (1, 1, nk)      int32
-    q_indices, full_q_indices         (1, 1, nk, nq)  int32
+    cu_q, cu_k                              (N + 1,)         int32  cumulative document lengths
+    outputs, in order, all int32:
+    doc_q, pos_q / doc_k, pos_k             (total_q,) / (total_k,)  document, position in it
+    shift                                   (N + 1,)         len_k - len_q of each document
+    kv_num_blocks, kv_indices               (nq,), (nq, nk)  partial blocks, KV-major
+    full_kv_num_blocks, full_kv_indices     (nq,), (nq, nk)  full blocks, KV-major
+    q_num_blocks, q_indices                 (nk,), (nk, nq)  partial blocks, Q-major
+    full_q_num_blocks, full_q_indices       (nk,), (nk, nq)  full blocks, Q-major
+
+The tables come without BlockMask's leading (1, 1) dims (the caller adds them as views): a 4-D
+op output guards on blocks > 1 under dynamic shapes (its memory-format check).
 """
 
 from __future__ import annotations
@@ -29,25 +37,25 @@ import torch
 
 from ..ops.library import qualname
 
-OP = qualname("flex_document_block_tables")
+OP = qualname("flex_document_tables")
 
 
-def _extended(cu: torch.Tensor, total: int) -> torch.Tensor:
-    """cu with the trailing padding document's end appended: (N + 2,) int64."""
-    return torch.cat([cu.long(), cu.new_full((1,), total).long()])
+def _documents(cu: torch.Tensor, total: int):
+    """Per token: document id and position inside it, (total,) int64 each; per document (the
+    padding one last): start and length, (N + 1,) int64 each."""
+    ends = torch.cat([cu.long(), cu.new_full((1,), total).long()])
+    tok = torch.arange(total, device=cu.device)
+    doc = torch.searchsorted(ends[1:], tok, right=True)
+    return doc, tok - ends[doc], ends[:-1], ends.diff()
 
 
-def _row_intervals(cu_q, cu_k, total_q, total_k, left, right):
+def _row_intervals(doc_q, pos_q, start_k, len_k, shift, left, right):
     """Per query token, the half-open global key interval [a, b) it may attend (b <= a: none)."""
-    eq, ek = _extended(cu_q, total_q), _extended(cu_k, total_k)
-    tok = torch.arange(total_q, device=cu_q.device)
-    doc = torch.searchsorted(eq[1:], tok, right=True)  # (T_q,) document of each query token
-    len_q, len_k = eq.diff(), ek.diff()
-    start_k, n_k = ek[doc], len_k[doc]
-    diag = tok - eq[doc] + (n_k - len_q[doc])  # key position on the bottom-right diagonal
+    n_k = len_k[doc_q]
+    diag = pos_q + shift[doc_q]  # key position on the bottom-right diagonal
     lo = (diag - left).clamp(min=0) if left >= 0 else torch.zeros_like(diag)
     hi = torch.minimum(diag + right + 1, n_k) if right >= 0 else n_k
-    return start_k + lo, start_k + hi.clamp(min=0)
+    return start_k[doc_q] + lo, start_k[doc_q] + hi.clamp(min=0)
 
 
 def _dense_blocks(a, b, nq, nk, block):
@@ -80,7 +88,7 @@ def _ordered(dense: torch.Tensor):
 
 
 @torch.library.custom_op(OP, mutates_args=())
-def document_block_tables(
+def document_tables(
     cu_q: torch.Tensor,
     cu_k: torch.Tensor,
     total_q: int,
@@ -89,18 +97,26 @@ def document_block_tables(
     right: int,
     block: int,
 ) -> list[torch.Tensor]:
-    a, b = _row_intervals(cu_q, cu_k, total_q, total_k, left, right)
+    doc_q, pos_q, _, len_q = _documents(cu_q, total_q)
+    doc_k, pos_k, start_k, len_k = _documents(cu_k, total_k)
+    shift = len_k - len_q
+    a, b = _row_intervals(doc_q, pos_q, start_k, len_k, shift, left, right)
     partial, full = _dense_blocks(a, b, total_q // block, total_k // block, block)
-    return [*_ordered(partial), *_ordered(full), *_ordered(partial.T), *_ordered(full.T)]
+    index = [t.to(torch.int32) for t in (doc_q, pos_q, doc_k, pos_k, shift)]
+    return [*index, *_ordered(partial), *_ordered(full), *_ordered(partial.T), *_ordered(full.T)]
 
 
-@document_block_tables.register_fake
+@document_tables.register_fake
 def _(cu_q, cu_k, total_q, total_k, left, right, block):
     nq, nk = total_q // block, total_k // block
 
-    def pair(rows, cols):
-        return cu_q.new_empty((rows,), dtype=torch.int32), cu_q.new_empty(
-            (rows, cols), dtype=torch.int32
-        )
+    def empty(*shape):
+        return cu_q.new_empty(shape, dtype=torch.int32)
 
-    return [*pair(nq, nk), *pair(nq, nk), *pair(nk, nq), *pair(nk, nq)]
+    index = [empty(total_q), empty(total_q), empty(total_k), empty(total_k), empty(cu_q.shape[0])]
+    tables = [
+        t
+        for rows, cols in ((nq, nk),) * 2 + ((nk, nq),) * 2
+        for t in (empty(rows), empty(rows, cols))
+    ]
+    return index + tables
