@@ -170,7 +170,7 @@ def test_gpu_inductor_flex_fp32_training_step_over_changing_packs():
             ("lo", torch.float32, step, "flex"),
             ("hi", torch.float64, step, "reference"),
         ):
-            qkv = [x.to(dtype).requires_grad_() for x in base]
+            qkv = [x.detach().to(dtype, copy=True).requires_grad_() for x in base]
             for x in (*qkv, cu):
                 torch._dynamo.maybe_mark_dynamic(x, 0)
             loss = fn(*qkv, cu, max(lengths)) if fn is compiled else fn(*qkv, cu, max(lengths), be)
