@@ -79,8 +79,11 @@ def flex_backend(q, k, v, metadata, params):
     # no valid config for some short sequences (torch 2.11: NoValidChoicesError at T=116), and
     # fewer distinct shapes also means fewer recompiles. Pad tokens form their own document.
     pad_q, pad_k = -t_q % _BLOCK, -k.shape[0] % _BLOCK
-    # Traced, pad always (by 0 where aligned): a branch on the symbolic remainder would be a guard,
-    # and aligned packs would compile a graph of their own.
+    if torch.compiler.is_compiling():
+        # Traced: always 1-128 pad tokens. Whether a pad is 0 would be a guard (an aligned pack
+        # compiled a graph of its own: AOT autograd guarded on the padded size != T, H200, daaa88c);
+        # 128 - T % 128 is provably nonzero. An aligned pack pays one extra block.
+        pad_q, pad_k = _BLOCK - t_q % _BLOCK, _BLOCK - k.shape[0] % _BLOCK
     if torch.compiler.is_compiling() or pad_q or pad_k:
         q = torch.nn.functional.pad(q, (0, 0, 0, 0, 0, pad_q))
         k = torch.nn.functional.pad(k, (0, 0, 0, 0, 0, pad_k))
