@@ -3,7 +3,7 @@
 - Equal, tensor for tensor, to what ``create_block_mask`` finds by evaluating the backend's own
   ``mask_mod`` on every (q, kv) pair: causal and not, left / right / two-sided windows, windows
   wider than the documents, L_q != L_k (bottom-right diagonal), padding past the last document
-  (one spare block), one-token documents, many documents in one block.
+  (one spare block), one-token and zero-length documents, many documents in one block.
 - ``torch.library.opcheck`` (schema, fake vs real, dynamic shapes).
 - A compiled (aot_eager, fullgraph) packed forward on the flex backend over packs of changing size:
   the tables are one opaque op node (nothing of the mask build reaches the compiler, which is what
@@ -54,6 +54,8 @@ def _cases():
         ([500, 260], None, False, (1000, 1000), 0),  # window wider than any document
         ([300, 90], [40, 400], True, (-1, -1), 0),  # L_k < L_q and L_k > L_q per document
         ([256, 256], [513, 1], False, (64, 17), 1),
+        ([5, 0, 0, 200, 0, 0], None, True, (-1, -1), 0),  # zero-length documents (device offsets)
+        ([0, 130], [7, 0], True, (-1, -1), 1),
     ]
     drawn = []
     for _ in range(40):

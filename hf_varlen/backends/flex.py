@@ -2,9 +2,9 @@
 
 The BlockMask is built once per batch and cached on the identity of the cu_seqlens tensors, so
 every layer of a forward pass shares it. Its block tables and the per-token document ids its
-``mask_mod`` reads come from ``cu_seqlens`` alone, in one opaque op that torch.compile never traces
-(``flex_blocks``); the ``mask_mod`` decides inside the partial blocks. On CUDA the attention call is compiled
-(FlexAttention's fast path); on CPU it runs eagerly.
+``mask_mod`` reads come from ``cu_seqlens`` alone, in one opaque op that torch.compile never
+traces (``flex_blocks``); the ``mask_mod`` decides inside the partial blocks. On CUDA the
+attention call is compiled (FlexAttention's fast path); on CPU it runs eagerly.
 
 Layout: flex wants (1, H, T, D); the packed (T, H, D) inputs are viewed as such without copies.
 """
