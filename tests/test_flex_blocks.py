@@ -70,19 +70,23 @@ def _cases():
     return fixed + drawn
 
 
-@pytest.mark.parametrize("lq, lk, causal, window, spare", _cases())
-def test_block_tables_equal_create_block_mask(lq, lk, causal, window, spare):
-    cu_q = _cu(lq)
-    cu_k = cu_q if lk is None else _cu(lk)
+def _check_tables(lq, lk, causal, window, spare, device):
+    cu_q = _cu(lq).to(device)
+    cu_k = cu_q if lk is None else _cu(lk).to(device)
     total_q = _padded(int(cu_q[-1]), spare)
     total_k = total_q if lk is None else _padded(int(cu_k[-1]))
     flex._MASKS.clear()
     ours = flex.document_block_mask(cu_q, cu_k, total_q, total_k, causal=causal, window_size=window)
-    ref = create_block_mask(ours.mask_mod, None, None, total_q, total_k, device="cpu")
+    ref = create_block_mask(ours.mask_mod, None, None, total_q, total_k, device=device)
     for name in TABLES:
         got, want = getattr(ours, name), getattr(ref, name)
         assert got.dtype == want.dtype and got.shape == want.shape, name
         assert torch.equal(got, want), f"{name}: {got.tolist()} != {want.tolist()}"
+
+
+@pytest.mark.parametrize("lq, lk, causal, window, spare", _cases())
+def test_block_tables_equal_create_block_mask(lq, lk, causal, window, spare):
+    _check_tables(lq, lk, causal, window, spare, "cpu")
 
 
 def test_opcheck_block_tables():
@@ -129,15 +133,7 @@ def test_compiled_flex_forward_keeps_block_tables_opaque():
 @pytest.mark.gpu
 @pytest.mark.parametrize("lq, lk, causal, window, spare", _cases()[::4])
 def test_gpu_block_tables_equal_create_block_mask(lq, lk, causal, window, spare):
-    cu_q = _cu(lq).cuda()
-    cu_k = cu_q if lk is None else _cu(lk).cuda()
-    total_q = _padded(int(cu_q[-1]), spare)
-    total_k = total_q if lk is None else _padded(int(cu_k[-1]))
-    flex._MASKS.clear()
-    ours = flex.document_block_mask(cu_q, cu_k, total_q, total_k, causal=causal, window_size=window)
-    ref = create_block_mask(ours.mask_mod, None, None, total_q, total_k, device="cuda")
-    for name in TABLES:
-        assert torch.equal(getattr(ours, name), getattr(ref, name)), name
+    _check_tables(lq, lk, causal, window, spare, "cuda")
 
 
 @pytest.mark.gpu
