@@ -77,6 +77,9 @@ if [ -d "$data" ] && [ -z "${HF_VARLEN_SHARED_DATA:-}" ]; then  # the tests' ../
     ln -sfn "$PWD/$data/alpaca_5000.json" "$tree/alpaca/alpaca_5000.json"
     ln -sfn "$PWD/$data/lima.json" "$tree/lima/lima.json"
     export HF_VARLEN_SHARED_DATA=$tree
+elif [ -z "${HF_VARLEN_SHARED_DATA:-}" ]; then  # stop 29's first suite lost 11 tests this way
+    echo "note: $data not carried and HF_VARLEN_SHARED_DATA unset: the tests that need the" \
+        "shared data skip, the e2e / train stages fail (carry $data)" >&2
 fi
 
 step() {  # step NAME SECONDS CMD...: run with a timeout, log to OUT_DIR/NAME.log, print the tail
