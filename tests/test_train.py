@@ -396,3 +396,40 @@ def test_ddp_timeout_reaches_the_process_group(tmp_path):
         assert trainer.acc.init_handler.to_kwargs() == {"timeout": datetime.timedelta(seconds=45)}
     finally:
         trainer.close()
+
+
+def test_next_step_is_collated_before_this_steps_read_back(tmp_path, monkeypatch):
+    """The next step's micro-batches are collated after this step's last launch and before its
+    one read-back (the GPU runs meanwhile), each exactly once and in the sampler's order; the last
+    step and the last step of an epoch collate nothing ahead."""
+    from tiny_runs import tiny_train_config
+
+    import hf_varlen.training.loop as loop_mod
+    from hf_varlen.training.data import Batcher
+
+    events = []
+    collate, read = Batcher.__call__, loop_mod._read_loss_and_norm
+
+    def spy_collate(self, indices):
+        events.append(("collate", tuple(indices)))
+        return collate(self, indices)
+
+    def spy_read(*args):
+        events.append(("read",))
+        return read(*args)
+
+    monkeypatch.setattr(Batcher, "__call__", spy_collate)
+    monkeypatch.setattr(loop_mod, "_read_loss_and_norm", spy_read)
+    cfg = tiny_train_config(tmp_path, "run", grad_accum=2, max_steps=None, builtin_examples=24)
+    trainer = PackedTrainer(cfg)
+    slots = [tuple(s) for s in trainer.sampler]  # epoch 0's order (set_epoch(0) is the first)
+    trainer.run()
+    steps = trainer.state.step
+    assert steps == -(-len(slots) // 2) and [e[0] for e in events].count("read") == steps
+    collated = [e[1] for e in events if e[0] == "collate"]
+    assert collated == slots  # once each, in order: nothing collated twice or ahead of the epoch
+    # Step n's read-back follows step n + 1's collation, except at the end of the epoch.
+    reads = [i for i, e in enumerate(events) if e[0] == "read"]
+    for n, at in enumerate(reads[:-1]):
+        before = [e for e in events[:at] if e[0] == "collate"]
+        assert len(before) == min(2 * (n + 2), len(slots)), (n, events)

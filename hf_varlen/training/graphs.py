@@ -188,9 +188,16 @@ class GraphedStep:
 
     # -- per step ------------------------------------------------------------------------------
 
-    def step(self, batches: list[dict[str, Any]], n_items: int) -> dict[str, float]:
+    def step(
+        self,
+        batches: list[dict[str, Any]],
+        n_items: int,
+        while_running: Callable[[], Any] | None = None,
+    ) -> dict[str, float]:
         """One optimizer step over the micro-batches ``batches`` (CPU tensors, as collated), with
-        ``n_items`` the label tokens of the whole step. Returns loss, grad_norm and skipped."""
+        ``n_items`` the label tokens of the whole step. Returns loss, grad_norm and skipped.
+        ``while_running``: host work to do while the GPU runs the replays (called after the last
+        launch, before the step's one read-back)."""
         self._ensure_update()
         # New shapes first: a capture's warm-up zeroes the gradients, which must not drop the
         # accumulation of micro-batches already replayed in this step.
@@ -200,6 +207,8 @@ class GraphedStep:
             micro.load(inputs)
             micro.replay()
         self.update()
+        if while_running is not None:
+            while_running()
         loss, norm, skipped = self.out.tolist()  # the step's one read-back, after the update
         return {"loss": loss, "grad_norm": norm, "skipped": skipped > 0.5}
 

@@ -240,6 +240,7 @@ class PackedTrainer:
         self.batcher = Batcher(
             self.train_ex, cfg, pad_id(self.tokenizer), self.sampler.max_documents
         )
+        self._collated = None  # (group, micro-batches): the next step's, collated during this one
         self.eval_batcher = (
             Batcher(self.eval_ex, cfg, pad_id(self.tokenizer), self.eval_sampler.max_documents)
             if self.eval_ex
@@ -414,12 +415,22 @@ class PackedTrainer:
         with self.compiler.guard():
             return _step_loss(model, self.compiler.mark(inputs), n_items, self.loss_kwargs)
 
-    def train_step(self, group: list[list[int]]) -> dict[str, Any]:
-        """One optimizer step over this rank's micro-batches ``group``; returns global counts."""
+    def train_step(
+        self, group: list[list[int]], next_group: list[list[int]] | None = None
+    ) -> dict[str, Any]:
+        """One optimizer step over this rank's micro-batches ``group``; returns global counts.
+        ``next_group`` (the next step's, if known) is collated while the GPU runs this step, after
+        the last launch and before the step's read-back, instead of after it with the GPU idle."""
         t0 = time.perf_counter()
         compiled_before = self.compiler.compilations
         captured_before = self.graphed.captures if self.graphed is not None else 0
-        batches = [self.batcher(idx) for idx in group]
+        ready, self._collated = self._collated, None
+        batches = ready[1] if ready and ready[0] == group else [self.batcher(i) for i in group]
+
+        def collate_next():
+            if next_group:
+                self._collated = (next_group, [self.batcher(i) for i in next_group])
+
         local = sum(b.label_tokens for b in batches)
         if self.acc.num_processes > 1:
             n_items = self.acc.reduce(torch.tensor(local, device=self.device), reduction="sum")
@@ -432,7 +443,7 @@ class PackedTrainer:
         # the replays (the previous step's read-back left the GPU idle), outside any capture.
         lr = float(self.scheduler.get_last_lr()[0])
         if self.graphed is not None:  # forward, backward and the update replayed, or skipped
-            out = self.graphed.step([mb.inputs for mb in batches], n_items)
+            out = self.graphed.step([mb.inputs for mb in batches], n_items, collate_next)
             loss_value, grad_norm = out["loss"], out["grad_norm"]
         else:
             loss = torch.zeros((), device=self.device)
@@ -442,6 +453,7 @@ class PackedTrainer:
                     loss += mb_loss
             max_norm = self.cfg.max_grad_norm or math.inf
             grad_norm = self.acc.clip_grad_norm_(self.clip_params, max_norm)
+            collate_next()
             loss_value, grad_norm = _read_loss_and_norm(loss, grad_norm)
         real = [b for b in batches if not b.dummy]
         self.rank_real_tokens += sum(b.real_tokens for b in real)
@@ -559,7 +571,9 @@ class PackedTrainer:
                 per_rank = self.sampler.rank_tokens() if self.acc.num_processes > 1 else None
                 while st.micro < len(slots) and st.step < self.total_steps:
                     group = slots[st.micro : st.micro + cfg.grad_accum]
-                    counts = self.train_step(group)
+                    last = st.step + 1 >= self.total_steps
+                    ahead = None if last else slots[st.micro + len(group) :][: cfg.grad_accum]
+                    counts = self.train_step(group, ahead)
                     if per_rank is not None:
                         rows = per_rank[st.micro : st.micro + len(group)]
                         counts["rank_imbalance"] = rank_imbalance(rows.sum(axis=0))
