@@ -5,9 +5,9 @@ backend's ``mask_mod`` reads (each token's document and position in it, each doc
 shift) and the eight block tables of its ``BlockMask`` (partial and full blocks, KV-major and
 Q-major) for the mask "same document, key inside the window around the bottom-right-aligned
 diagonal": exactly the tables ``create_block_mask`` finds by evaluating that ``mask_mod`` on every
-(q, kv) pair, but in O(T + blocks^2) work. Each query row sees one contiguous key interval, so
-per-block counts of the rows that touch / fully cover each key block are two difference arrays and
-a cumulative sum.
+(q, kv) pair, but in O(T + blocks^2) work. Each query row sees one contiguous key interval (the
+triton backend's ``row_bounds``), so per-block counts of the rows that touch / fully cover each
+key block are two difference arrays and a cumulative sum.
 
 It is one opaque ``torch.library`` op with a fake, so torch.compile traces none of it. Inductor in
 torch 2.11 (H200) fails on both halves of the traced build under dynamic token counts:
@@ -35,27 +35,19 @@ from __future__ import annotations
 
 import torch
 
+from ..ops.attention_schedule import row_bounds
 from ..ops.library import qualname
 
 OP = qualname("flex_document_tables")
 
 
 def _documents(cu: torch.Tensor, total: int):
-    """Per token: document id and position inside it, (total,) int64 each; per document (the
-    padding one last): start and length, (N + 1,) int64 each."""
+    """Per token: document id and position inside it, (total,) int64 each; and the offsets with
+    the padding document's end appended, (N + 2,) int64."""
     ends = torch.cat([cu.long(), cu.new_full((1,), total).long()])
     tok = torch.arange(total, device=cu.device)
     doc = torch.searchsorted(ends[1:], tok, right=True)
-    return doc, tok - ends[doc], ends[:-1], ends.diff()
-
-
-def _row_intervals(doc_q, pos_q, start_k, len_k, shift, left, right):
-    """Per query token, the half-open global key interval [a, b) it may attend (b <= a: none)."""
-    n_k = len_k[doc_q]
-    diag = pos_q + shift[doc_q]  # key position on the bottom-right diagonal
-    lo = (diag - left).clamp(min=0) if left >= 0 else torch.zeros_like(diag)
-    hi = torch.minimum(diag + right + 1, n_k) if right >= 0 else n_k
-    return start_k[doc_q] + lo, start_k[doc_q] + hi.clamp(min=0)
+    return doc, tok - ends[doc], ends
 
 
 def _dense_blocks(a, b, nq, nk, block):
@@ -97,10 +89,13 @@ def document_tables(
     right: int,
     block: int,
 ) -> list[torch.Tensor]:
-    doc_q, pos_q, _, len_q = _documents(cu_q, total_q)
-    doc_k, pos_k, start_k, len_k = _documents(cu_k, total_k)
-    shift = len_k - len_q
-    a, b = _row_intervals(doc_q, pos_q, start_k, len_k, shift, left, right)
+    doc_q, pos_q, ends_q = _documents(cu_q, total_q)
+    doc_k, pos_k, ends_k = _documents(cu_k, total_k)
+    shift = ends_k.diff() - ends_q.diff()
+    # Each row's visible keys as the triton backend's plan finds them (one rule for both), with
+    # the padding document as a real one: the mask_mod lets padding rows see padding keys.
+    lo, hi, _, _ = row_bounds(ends_q, ends_k, total_q, total_k, left, right)
+    a, b = lo.long(), hi.long() + 1  # half-open; an empty row is (EMPTY_LO, 0): b <= a
     partial, full = _dense_blocks(a, b, total_q // block, total_k // block, block)
     index = [t.to(torch.int32) for t in (doc_q, pos_q, doc_k, pos_k, shift)]
     return [*index, *_ordered(partial), *_ordered(full), *_ordered(partial.T), *_ordered(full.T)]
