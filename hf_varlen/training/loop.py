@@ -572,7 +572,8 @@ class PackedTrainer:
                 while st.micro < len(slots) and st.step < self.total_steps:
                     group = slots[st.micro : st.micro + cfg.grad_accum]
                     last = st.step + 1 >= self.total_steps
-                    ahead = None if last else slots[st.micro + len(group) :][: cfg.grad_accum]
+                    nxt = st.micro + len(group)
+                    ahead = None if last else slots[nxt : nxt + cfg.grad_accum]
                     counts = self.train_step(group, ahead)
                     if per_rank is not None:
                         rows = per_rank[st.micro : st.micro + len(group)]
