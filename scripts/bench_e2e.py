@@ -1,8 +1,10 @@
 """End-to-end training benchmark: tokens/s, peak memory, MFU and loss curves by per-device batch size.
 
 Every measurement is a short ``hf-varlen train`` run (``hf_varlen.training.PackedTrainer``, the
-same loop, data pipeline and metrics users get), one configuration per subprocess so that process-wide
-patches (kernel-hub RoPE, Liger) never leak into the next mode. Batches are ``--batch-size B``
+same loop, data pipeline and metrics users get). Each (model, mode) runs its cells in one worker
+process of its own (e2e_workers: process-wide patches such as kernel-hub RoPE or Liger never leak
+into another mode, and a cell does not pay the imports, CUDA's start-up or a compiled mode's first
+compile again); ``--process-per-cell`` starts a fresh process for every cell instead. Batches are ``--batch-size B``
 examples (the seed's per-device batch), consecutive in one seeded shuffle, so every mode trains on
 identical examples in identical order.
 
@@ -233,8 +235,9 @@ def train_config(run: dict, device: str):
     )
 
 
-def run_one(run: dict) -> dict:
-    """Train one configuration; return its metrics (``status`` "ok", "OOM" or "skipped: why")."""
+def run_one(run: dict, fresh_dynamo: bool = True) -> dict:
+    """Train one configuration; return its metrics (``status`` "ok", "OOM" or "skipped: why").
+    ``fresh_dynamo=False`` (a worker's later cells) keeps dynamo's compiled code of earlier cells."""
     import torch
     import torch._dynamo
     from torch._dynamo.utils import counters, guard_failures
@@ -246,8 +249,9 @@ def run_one(run: dict) -> dict:
     if why := mode_unavailable(run["mode"], device):
         return {"status": f"skipped: {why}"}
     hook = liger_hook if MODES[run["mode"]].get("liger") else None
-    torch._dynamo.reset()  # --no-isolate: each run counts its own compilations
-    counters.clear()
+    if fresh_dynamo:  # --no-isolate: each run compiles and counts on its own
+        torch._dynamo.reset()
+    counters.clear()  # a worker's later cell counts only its own (re)compilations
     guard_failures.clear()
     try:
         trainer = PackedTrainer(train_config(run, device), model_hook=hook)
@@ -443,9 +447,11 @@ def prepare_dataset(name: str, args, out: Path) -> str:
     return name  # any local file or hub dataset the trainer accepts
 
 
-def launch(run: dict, *, isolate: bool, timeout: float) -> dict:
+def launch(run: dict, *, isolate: bool, timeout: float, pool=None) -> dict:
     if not isolate:
         return run_one(run)
+    if pool is not None:
+        return pool.run(run, timeout)
     result_path = Path(run["run_dir"]) / "result.json"
     result_path.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, __file__, "--one", json.dumps(run), "--result", str(result_path)]
@@ -531,6 +537,11 @@ def parse_args(argv=None):
     p.add_argument(
         "--no-isolate", dest="isolate", action="store_false", help="runs in this process"
     )
+    p.add_argument(
+        "--process-per-cell",
+        action="store_true",
+        help="a fresh process for every cell (default: one worker process per model and mode)",
+    )
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
     p.add_argument(
         "--compile-backend",
@@ -538,6 +549,7 @@ def parse_args(argv=None):
         help="torch.compile backend of hf_varlen-compile (aot_eager: CPU smoke runs)",
     )
     p.add_argument("--one", help=argparse.SUPPRESS)
+    p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     unknown = [m for m in args.modes + args.profile_modes if m not in MODES]
@@ -572,8 +584,40 @@ def run_grid(args) -> list[dict]:
     return runs
 
 
+def run_cells(runs: list[dict], common: dict, datasets: dict, args, out: Path, record, pool):
+    """Run the grid's cells in order; ``record(result)`` after each (results.json is streamed).
+    ``common``: the fields every run shares (precision, peak, ...); ``datasets``: paths by name."""
+    from e2e_report import fmt_cell
+
+    for i, run in enumerate(runs):
+        repeated = args.repeats > 1 and "repeat" in run  # profiles run once
+        rep = f"_r{run['repeat']}" if repeated else ""
+        rep_note = f" repeat {run['repeat'] + 1}/{args.repeats}" if repeated else ""
+        name = f"run{i:03d}_{run['model']}_{run['data']}_L{run['max_length']}"
+        run.update(
+            common,
+            dataset=datasets[run["data"]],
+            run_dir=str(out / f"{name}_B{run['batch_size']}_{run['mode']}{rep}"),
+        )
+        t0 = time.perf_counter()
+        result = launch(run, isolate=args.isolate, timeout=args.timeout, pool=pool)
+        result["run"] = run
+        record(result)
+        print(
+            f"[{i + 1}/{len(runs)}] {run['model']} {run['data']} L{run['max_length']} "
+            f"B{run['batch_size']} {run['mode']}{' (profile)' if run.get('profile') else ''}"
+            f"{rep_note}: {fmt_cell(result)} ({time.perf_counter() - t0:.0f} s)",
+            flush=True,
+        )
+
+
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
+    if args.serve:  # a worker of e2e_workers.WorkerPool
+        from e2e_workers import serve
+
+        serve(run_one)
+        return []
     if args.one:
         result = run_one(json.loads(args.one))
         Path(args.result).write_text(json.dumps(result))
@@ -581,7 +625,7 @@ def main(argv=None) -> list[dict]:
 
     import torch
     from bench_common import run_header
-    from e2e_report import fmt_cell, write_plots, write_tables
+    from e2e_report import write_plots, write_tables
 
     cuda = torch.cuda.is_available()
     precision = args.precision or ("bf16" if cuda else "fp32")
@@ -600,40 +644,34 @@ def main(argv=None) -> list[dict]:
     runs: list[dict] = []
     if not args.padding_only:
         runs = run_grid(args)
-    for i, run in enumerate(runs):
-        repeated = args.repeats > 1 and "repeat" in run  # profiles run once
-        rep = f"_r{run['repeat']}" if repeated else ""
-        rep_note = f" repeat {run['repeat'] + 1}/{args.repeats}" if repeated else ""
-        run.update(
-            tokenizer=args.tokenizer,
-            dataset=datasets[run["data"]],
-            layers=args.layers,
-            steps=args.steps,
-            warmup=args.warmup,
-            lr=args.lr,
-            seed=args.seed,
-            precision=precision,
-            peak_tflops=peak,
-            compile_backend=args.compile_backend,
-            run_dir=str(
-                out
-                / f"run{i:03d}_{run['model']}_{run['data']}_L{run['max_length']}_B{run['batch_size']}_{run['mode']}{rep}"
-            ),
-        )
-        t0 = time.perf_counter()
-        result = launch(run, isolate=args.isolate, timeout=args.timeout)
-        result["run"] = run
+    pool = None
+    if args.isolate and not args.process_per_cell and runs:
+        from e2e_workers import WorkerPool
+
+        pool = WorkerPool(Path(__file__), out / "workers")
+    common = dict(
+        tokenizer=args.tokenizer,
+        layers=args.layers,
+        steps=args.steps,
+        warmup=args.warmup,
+        lr=args.lr,
+        seed=args.seed,
+        precision=precision,
+        peak_tflops=peak,
+        compile_backend=args.compile_backend,
+    )
+
+    def record(result: dict) -> None:
         results.append(result)
-        print(
-            f"[{i + 1}/{len(runs)}] {run['model']} {run['data']} L{run['max_length']} B{run['batch_size']} "
-            f"{run['mode']}{' (profile)' if run.get('profile') else ''}"
-            f"{rep_note}: {fmt_cell(result)} "
-            f"({time.perf_counter() - t0:.0f} s)",
-            flush=True,
-        )
         (out / "results.json").write_text(
             json.dumps({"header": header, "padding": padding, "results": results}, indent=1)
         )
+
+    try:
+        run_cells(runs, common, datasets, args, out, record, pool)
+    finally:
+        if pool is not None:
+            pool.close()
     (out / "results.json").write_text(
         json.dumps({"header": header, "padding": padding, "results": results}, indent=1)
     )

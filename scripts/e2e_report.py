@@ -71,6 +71,8 @@ def fmt_cell(r: dict) -> str:
     if "compile_s" in r:  # compile modes (bench_e2e.compile_stats)
         breaks = f", {r['graph_breaks']} breaks" if r.get("graph_breaks") else ""
         text += f", compile {r['compile_s']:.0f} s ({r['compilations']} graphs{breaks})"
+        if r.get("worker_cell"):  # e2e_workers: this mode's earlier cells compiled the rest
+            text += " after earlier cells"
     if r.get("excluded_steps"):  # timed steps that compiled or captured, left out of tokens/s
         text += f", {r['excluded_steps']} capture/compile steps excluded"
     return text
