@@ -247,18 +247,27 @@ def write_plots(results: list[dict], padding: list[dict], out_dir: Path) -> list
             groups.setdefault(key, []).append(r)
     for (model, data, max_length), rs in groups.items():
         tag = f"{model}_{data}_L{max_length}"
-        fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=120)
-        for mode in dict.fromkeys(r["run"]["mode"] for r in rs):
-            pts = sorted(
-                (r["run"]["batch_size"], r["tokens_per_s"]) for r in rs if r["run"]["mode"] == mode
-            )
-            ax.plot([p[0] for p in pts], [p[1] / 1e3 for p in pts], "o-", ms=3, label=mode)
-        ax.set_xscale("log", base=2)
-        ax.set(xlabel="per-device batch (examples)", ylabel="real tokens/s (K)")
-        ax.set_title(f"{model}, {data}, max_length {max_length}")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-        save(fig, f"e2e_tokens_per_s_{tag}.png")
+        by_batch = (  # metric, scale, axis label, file name
+            ("tokens_per_s", 1e-3, "real tokens/s (K)", f"e2e_tokens_per_s_{tag}.png"),
+            ("gpu_busy", 100.0, "GPU busy (% of the step)", f"e2e_gpu_busy_{tag}.png"),
+        )
+        for key, scale, label, name in by_batch:
+            if not any(key in r for r in rs):  # no GPU-busy figures off the GPU
+                continue
+            fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=120)
+            for mode in dict.fromkeys(r["run"]["mode"] for r in rs):
+                pts = sorted(
+                    (r["run"]["batch_size"], r[key])
+                    for r in rs
+                    if r["run"]["mode"] == mode and key in r
+                )
+                ax.plot([p[0] for p in pts], [p[1] * scale for p in pts], "o-", ms=3, label=mode)
+            ax.set_xscale("log", base=2)
+            ax.set(xlabel="per-device batch (examples)", ylabel=label)
+            ax.set_title(f"{model}, {data}, max_length {max_length}")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+            save(fig, name)
         # Loss curves: packed modes vs padded at the largest batch that both ran.
         sizes = sorted({r["run"]["batch_size"] for r in rs if r["run"]["mode"] == "padded_sdpa"})
         for x_key, name in (("step", "loss_vs_step"), ("elapsed", "loss_vs_time")):

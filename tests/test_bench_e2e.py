@@ -428,3 +428,21 @@ def test_sampler_waits_past_py_spy_warnings_and_reports_its_error():
     refused = spy("echo 'Error: Permission Denied'; exit 1")
     assert s._wait_attached(refused, timeout=10.0) == (False, "Error: Permission Denied\n")
     refused.wait()
+
+
+def test_device_time_leaves_out_user_annotations():
+    """GPU busy and the step profile sum device kernels only: a record_function range that the
+    profiler puts on the device timeline (the optimizer's step annotation) is not a kernel."""
+    from types import SimpleNamespace
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    kernel = SimpleNamespace(device_type=cuda, is_user_annotation=False)
+    annotation = SimpleNamespace(device_type=cuda, is_user_annotation=True)
+    older = SimpleNamespace(device_type=cuda)  # a torch without the attribute
+    host = SimpleNamespace(device_type=cpu, is_user_annotation=False)
+    assert [bench_e2e.is_device_kernel(e) for e in (kernel, annotation, older, host)] == [
+        True,
+        False,
+        True,
+        False,
+    ]
