@@ -32,6 +32,9 @@
 #                                  (1B shape, 16K tokens per rank; needs a machine of >= 2 GPUs)
 #   bash scripts/gpu_evidence.sh lora      OUT_DIR   # bench_e2e: LoRA r=16 vs full, B8 and B32
 #                                                     (needs the peft wheel among the carried ones)
+#   bash scripts/gpu_evidence.sh bundle    OUT_DIR   # everything under OUT_DIR into one
+#                                  OUT_DIR/bundle.tgz, the rest removed: the device tool returns
+#                                  only a few files per call (a call's results.json were lost so)
 #
 # `tests` takes optional test files after OUT_DIR (default: every file that holds a GPU test), and
 # also runs the TRL / mixed-precision files, whose trainers use the GPU when there is one.
@@ -235,6 +238,11 @@ multigpu)  # a machine with HF_VARLEN_PROCESSES GPUs (default 2): 1 process vs D
         --processes "${HF_VARLEN_PROCESSES:-2}" --model llama-1b --tokenizer "$data/qwen2" \
         --dataset "$data/alpaca_5000.json" --tokens-per-batch 16384 --steps 30 \
         --out "$out/multigpu" --timeout 160
+    ;;
+bundle)  # last in a call: one archive instead of the many files the stages leave
+    (cd "$out" && tar czf /tmp/hf_varlen_bundle.tgz --exclude=bundle.tgz . &&
+        find . -mindepth 1 -delete && mv /tmp/hf_varlen_bundle.tgz bundle.tgz)
+    ls -l "$out"
     ;;
 coverage)
     step bench_coverage_check 150 python3 scripts/bench_coverage_check.py --layers 16 \
