@@ -4,9 +4,9 @@ Every measurement is a short ``hf-varlen train`` run (``hf_varlen.training.Packe
 same loop, data pipeline and metrics users get). Each (model, mode) runs its cells in one worker
 process of its own (e2e_workers: process-wide patches such as kernel-hub RoPE or Liger never leak
 into another mode, and a cell does not pay the imports, CUDA's start-up or a compiled mode's first
-compile again); ``--process-per-cell`` starts a fresh process for every cell instead. Batches are ``--batch-size B``
-examples (the seed's per-device batch), consecutive in one seeded shuffle, so every mode trains on
-identical examples in identical order.
+compile again); ``--process-per-cell`` starts a fresh process for every cell instead. Batches
+are ``--batch-size B`` examples (the seed's per-device batch), consecutive in one seeded shuffle,
+so every mode trains on identical examples in identical order.
 
 Modes (``--modes``, comma-separated):
 
