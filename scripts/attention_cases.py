@@ -1,4 +1,5 @@
-"""Attention benchmark cases: packs of real document lengths (shared alpaca / lima data).
+"""Attention benchmark cases: packs of real document lengths (shared alpaca / lima data), the head
+configs, and what a case costs at least (useful FLOPs, HBM-traffic floor).
 
 ``scripts/data/lengths_{alpaca,lima}.json`` hold the token counts of every example (Qwen2 tokenizer,
 the alpaca prompt format of ../shared/data/README.md, no special tokens), so the GPU machine, which
@@ -11,6 +12,27 @@ import json
 from pathlib import Path
 
 LENGTHS_DIR = Path(__file__).resolve().parent / "data"
+HEADS = {
+    "32/8/128": (32, 8, 128),
+    "16/16/64": (16, 16, 64),
+    "40/8/128": (40, 8, 128),
+    "16/8/256": (16, 8, 256),  # head dim 256 (Gemma 2/3), where a backend supports it
+}
+HBM_BYTES_PER_S = 4.3e12
+
+
+def useful_flops_fwd(lengths, h_q, d) -> float:
+    """Causal forward FLOPs inside the documents: sum of 4 * L^2 * D * H_q / 2."""
+    return sum(4.0 * n * n * d * h_q / 2 for n in lengths)
+
+
+def floor_ms(total, h_q, h_kv, d, elem=2) -> tuple[float, float]:
+    """HBM-traffic bound (forward, forward+backward) in ms: read q, k, v, write o; the backward
+    reads q, k, v, o, dO and writes dq, dk, dv."""
+    q, kv = total * h_q * d * elem, total * h_kv * d * elem
+    fwd = 2 * q + 2 * kv
+    bwd = 4 * q + 4 * kv
+    return fwd / HBM_BYTES_PER_S * 1e3, (fwd + bwd) / HBM_BYTES_PER_S * 1e3
 
 
 def alpaca_text(ex: dict) -> str:

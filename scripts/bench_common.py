@@ -115,3 +115,29 @@ def print_match_failures(key: str, results) -> None:
     for r in results:
         if r.get("fwd_match") is False:
             print(f"MATCH FAIL {r[key]} T={r['T']} {r['provider']}: {r['match_msg']}")
+
+
+def bench_ms(fn, grad_to_none=None, min_runs=10, min_total_ms=100.0) -> float:
+    """Median GPU time (CUDA events) of >= ``min_runs`` runs after 3 warm-ups, L2 flushed each run;
+    a slow call (the 128K document: ~1 s per forward+backward) stops after 3 runs past 10x
+    ``min_total_ms``, which keeps its median just as steady."""
+    flush = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device="cuda")
+    times: list[float] = []
+    for i in range(3 + 1000):
+        if grad_to_none:
+            for t in grad_to_none:
+                t.grad = None
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        if i >= 3:
+            times.append(start.elapsed_time(end))
+            if len(times) >= min_runs and sum(times) >= min_total_ms:
+                break
+            if len(times) >= 3 and sum(times) >= 10 * min_total_ms:
+                break
+    times.sort()
+    return times[len(times) // 2]
