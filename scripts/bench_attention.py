@@ -346,6 +346,12 @@ def main(argv=None) -> None:
         default="short",
         help="with --tune: the candidates for short-document tiles or for long-document tiles",
     )
+    ap.add_argument(
+        "--long-min-span",
+        type=int,
+        default=1024,
+        help="with --tune-set long --write-config: the span from which a tile takes the long path",
+    )
     ap.add_argument("--write-config", type=Path, help="with --tune: write the chosen config JSON")
     ap.add_argument("--json", type=Path, help="write header + rows as JSON")
     args = ap.parse_args(argv)
@@ -366,9 +372,11 @@ def main(argv=None) -> None:
             result["tune"] = tune(all_cases, names, heads, dtype, args.tune_set)
             result["chosen"] = best_config(result["tune"])
             if args.write_config:  # usable via HF_VARLEN_TRITON_ATTN_CONFIG=<path>
-                args.write_config.write_text(
-                    json.dumps({"64": result["chosen"], "128": result["chosen"]})
-                )
+                prefix = "long" if args.tune_set == "long" else ""
+                chosen = {f"{prefix}{d}": result["chosen"] for d in (64, 128)}
+                if prefix:
+                    chosen["long_min_span"] = args.long_min_span
+                args.write_config.write_text(json.dumps(chosen))
         if args.breakdown:
             result["breakdown"] = breakdown(all_cases, names, heads, dtype)
     else:

@@ -265,7 +265,7 @@ def test_deterministic_request_takes_the_split_backward(fused_backward, monkeypa
     cu = cu_from_lengths(lengths, DEVICE)
     g = torch.randn_like(q)
     _run(lambda a, b, c: triton_varlen_attention(a, b, c, cu, cu, deterministic=True), q, k, v, g)
-    assert launched == ["backward_dq"]
+    assert set(launched) == {"backward_dq"}  # twice with a long path: short and long tiles
     launched.clear()
     _run(lambda a, b, c: triton_varlen_attention(a, b, c, cu, cu), q, k, v, g)
     assert launched == ["backward_delta"]

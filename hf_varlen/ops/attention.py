@@ -40,7 +40,13 @@ import torch
 
 from .attention_bwd import attention_backward
 from .attention_fwd import attention_forward
-from .attention_schedule import fold_factor, get_plan, pick_config
+from .attention_schedule import (
+    fold_factor,
+    get_plan,
+    persistent_programs,
+    pick_config,
+    pick_long_path,
+)
 from .common import causal_window, deterministic_requested
 from .library import compiling
 
@@ -112,21 +118,34 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 
 def forward_launch(q, k, v, plan, softmax_scale, softcap, traceable=False):
-    """Forward over a plan: (o (T_q, H_q, D), lse (H_q, T_q) fp32). q/k/v: unit last stride."""
+    """Forward over a plan: (o (T_q, H_q, D), lse (H_q, T_q) fp32). q/k/v: unit last stride.
+    With a long path (attention_schedule.LongPath) the long-document tiles run in a second,
+    persistent launch with bigger blocks, writing their rows of the same o / lse."""
     cfg = pick_config(q.shape[2], q.dtype, q.device)
-    fold = fold_factor(q.shape[1] // k.shape[1], cfg.fwd_block_m, cfg.fwd_min_tokens)
+    long = pick_long_path(q.shape[2], q.dtype, q.device)
+    group = q.shape[1] // k.shape[1]
+    fold = fold_factor(group, cfg.fwd_block_m, cfg.fwd_min_tokens)
+    tile = cfg.fwd_block_m // fold
+    kw = dict(softmax_scale=softmax_scale, softcap=softcap, traceable=traceable)
+    short = dict(fold=fold, block_m=cfg.fwd_block_m, block_n=cfg.fwd_block_n,
+                 num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages)  # fmt: skip
+    if long is None:
+        return attention_forward(q, k, v, plan.lo_q, plan.hi_q, plan.order_q(tile), **short, **kw)
+    lc = long.cfg
+    fold_l = fold_factor(group, lc.fwd_block_m, lc.fwd_min_tokens)
+    order_s, order_l, n_long = plan.split("q", tile, lc.fwd_block_m // fold_l, long.min_span)
+    out = attention_forward(q, k, v, plan.lo_q, plan.hi_q, order_s, **short, **kw)
     return attention_forward(
-        q, k, v, plan.lo_q, plan.hi_q, plan.order_q(cfg.fwd_block_m // fold),
-        softmax_scale=softmax_scale, softcap=softcap, fold=fold,
-        block_m=cfg.fwd_block_m, block_n=cfg.fwd_block_n,
-        num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages, traceable=traceable,
+        q, k, v, plan.lo_q, plan.hi_q, order_l, fold=fold_l, block_m=lc.fwd_block_m,
+        block_n=lc.fwd_block_n, num_warps=lc.fwd_warps, num_stages=lc.fwd_stages, out=out,
+        persistent=(n_long, persistent_programs(q.device)), **kw,
     )  # fmt: skip
 
 
 def backward_launch(
     do, q, k, v, o, lse, plan, softmax_scale, softcap, deterministic, traceable=False
 ):
-    """(dq, dk, dv) over a plan (attention_bwd.attention_backward with this shape's config)."""
+    """(dq, dk, dv) over a plan (attention_bwd.attention_backward with this shape's configs)."""
     cfg = pick_config(q.shape[2], q.dtype, q.device)
     group = q.shape[1] // k.shape[1]
     return attention_backward(
@@ -134,6 +153,7 @@ def backward_launch(
         softmax_scale=softmax_scale, softcap=softcap, cfg=cfg, deterministic=deterministic,
         fold_dq=fold_factor(group, cfg.dq_block_m, cfg.dq_min_tokens),
         fold_kv=fold_factor(group, cfg.kv_block_m, cfg.kv_min_tokens), traceable=traceable,
+        long=pick_long_path(q.shape[2], q.dtype, q.device),
     )  # fmt: skip
 
 

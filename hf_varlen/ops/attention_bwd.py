@@ -40,6 +40,7 @@ from .attention_fwd import (
     needs_long_indexing,
     score_constants,
 )
+from .attention_schedule import fold_factor, persistent_programs
 
 
 @triton.jit
@@ -78,26 +79,22 @@ def _dq_step(
     return dq + _dot(ds.to(kt.dtype), tl.trans(kt), IEEE)
 
 
-@triton.jit(do_not_specialize=["T_q", "T_k"])
-def _attn_bwd_dq_kernel(
-    Q, K, V, O, DO, LSE, DELTA, DQ, LO, HI, ORDER,
+@triton.jit
+def _dq_tile(
+    work, Q, K, V, O, DO, LSE, DELTA, DQ, LO, HI, ORDER,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_dot, stride_doh, stride_dqt, stride_dqh,
-    T_q, T_k, N_HEAD_BLOCKS, scale_a, scale_b, sm_scale,
+    T_q, N_HEAD_BLOCKS, scale_a, scale_b, sm_scale,
     GROUP: tl.constexpr, FOLD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
     LONG_INDEXING: tl.constexpr,
 ):  # fmt: skip
+    """One work item: query tile ORDER[work // N_HEAD_BLOCKS] x head block work % N_HEAD_BLOCKS."""
     EMPTY: tl.constexpr = 2147483647
     TILE: tl.constexpr = BLOCK_M // FOLD
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
-    # fp32 scalars (Inductor passes Python floats as fp64; see the forward kernel)
-    scale_a = tl.cast(scale_a, tl.float32)
-    scale_b = tl.cast(scale_b, tl.float32)
-    sm_scale = tl.cast(sm_scale, tl.float32)
-    pid = tl.program_id(0)
-    tile = tl.load(ORDER + pid // N_HEAD_BLOCKS)
-    head_block = pid % N_HEAD_BLOCKS
+    tile = tl.load(ORDER + work // N_HEAD_BLOCKS)
+    head_block = work % N_HEAD_BLOCKS
     r = tl.arange(0, BLOCK_M)
     tok = tile * TILE + r // FOLD
     head = head_block * FOLD + r % FOLD
@@ -165,6 +162,39 @@ def _attn_bwd_dq_kernel(
     )
 
 
+@triton.jit(do_not_specialize=["T_q", "T_k"])
+def _attn_bwd_dq_kernel(
+    Q, K, V, O, DO, LSE, DELTA, DQ, LO, HI, ORDER, N_WORK,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    stride_dot, stride_doh, stride_dqt, stride_dqh,
+    T_q, T_k, N_HEAD_BLOCKS, scale_a, scale_b, sm_scale,
+    GROUP: tl.constexpr, FOLD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
+    LONG_INDEXING: tl.constexpr, PERSISTENT: tl.constexpr,
+):  # fmt: skip
+    """One program per work item, or PERSISTENT (see the forward kernel)."""
+    # fp32 scalars (Inductor passes Python floats as fp64; see the forward kernel)
+    scale_a = tl.cast(scale_a, tl.float32)
+    scale_b = tl.cast(scale_b, tl.float32)
+    sm_scale = tl.cast(sm_scale, tl.float32)
+    args = (Q, K, V, O, DO, LSE, DELTA, DQ, LO, HI, ORDER, stride_qt, stride_qh, stride_kt,
+            stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_dot, stride_doh,
+            stride_dqt, stride_dqh, T_q, N_HEAD_BLOCKS, scale_a, scale_b, sm_scale)  # fmt: skip
+    pid = tl.program_id(0)
+    if PERSISTENT:
+        n_work = tl.load(N_WORK) * N_HEAD_BLOCKS
+        for work in range(pid, n_work, tl.num_programs(0)):
+            _dq_tile(
+                work, *args, GROUP, FOLD, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, SOFTCAP, IEEE,
+                LONG_INDEXING,
+            )  # fmt: skip
+    else:
+        _dq_tile(
+            pid, *args, GROUP, FOLD, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, SOFTCAP, IEEE,
+            LONG_INDEXING,
+        )  # fmt: skip
+
+
 @triton.jit
 def _dkdv_step(
     dk, dv, k, v, Q, DO, LSE, DELTA, head, r, start, span_hi, qlo, qhi, d, d_ok, stride_qt,
@@ -206,9 +236,9 @@ def _dkdv_step(
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["T_q", "T_k"])
-def _attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, QLO, QHI, ORDER,
+@triton.jit
+def _dkdv_tile(
+    work, Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, QLO, QHI, ORDER,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_aqt, stride_aqh,
     T_q, T_k, H_KV, scale_a, scale_b, sm_scale,
@@ -216,17 +246,13 @@ def _attn_bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
     LONG_INDEXING: tl.constexpr, ATOMIC_DQ: tl.constexpr,
 ):  # fmt: skip
+    """One work item: key tile ORDER[work // H_KV] x KV head work % H_KV."""
     EMPTY: tl.constexpr = 2147483647
     TILE: tl.constexpr = BLOCK_M // FOLD  # query tokens per inner step
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     PAD_ROWS: tl.constexpr = TILE * FOLD != BLOCK_M  # rows past TILE * FOLD are padding
-    # fp32 scalars (Inductor passes Python floats as fp64; see the forward kernel)
-    scale_a = tl.cast(scale_a, tl.float32)
-    scale_b = tl.cast(scale_b, tl.float32)
-    sm_scale = tl.cast(sm_scale, tl.float32)
-    pid = tl.program_id(0)
-    tile = tl.load(ORDER + pid // H_KV)
-    kv_head = pid % H_KV
+    tile = tl.load(ORDER + work // H_KV)
+    kv_head = work % H_KV
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < T_k
     if LONG_INDEXING:
@@ -288,6 +314,40 @@ def _attn_bwd_dkdv_kernel(
     )
 
 
+@triton.jit(do_not_specialize=["T_q", "T_k"])
+def _attn_bwd_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, QLO, QHI, ORDER, N_WORK,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+    stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_aqt, stride_aqh,
+    T_q, T_k, H_KV, scale_a, scale_b, sm_scale,
+    GROUP: tl.constexpr, FOLD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
+    LONG_INDEXING: tl.constexpr, ATOMIC_DQ: tl.constexpr, PERSISTENT: tl.constexpr,
+):  # fmt: skip
+    """One program per work item, or PERSISTENT (see the forward kernel)."""
+    # fp32 scalars (Inductor passes Python floats as fp64; see the forward kernel)
+    scale_a = tl.cast(scale_a, tl.float32)
+    scale_b = tl.cast(scale_b, tl.float32)
+    sm_scale = tl.cast(sm_scale, tl.float32)
+    args = (Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, QLO, QHI, ORDER, stride_qt, stride_qh,
+            stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_dkt,
+            stride_dkh, stride_dvt, stride_dvh, stride_aqt, stride_aqh, T_q, T_k, H_KV, scale_a,
+            scale_b, sm_scale)  # fmt: skip
+    pid = tl.program_id(0)
+    if PERSISTENT:
+        n_work = tl.load(N_WORK) * H_KV
+        for work in range(pid, n_work, tl.num_programs(0)):
+            _dkdv_tile(
+                work, *args, GROUP, FOLD, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, SOFTCAP, IEEE,
+                LONG_INDEXING, ATOMIC_DQ,
+            )  # fmt: skip
+    else:
+        _dkdv_tile(
+            pid, *args, GROUP, FOLD, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, SOFTCAP, IEEE,
+            LONG_INDEXING, ATOMIC_DQ,
+        )  # fmt: skip
+
+
 @triton.jit(do_not_specialize=["T_q"])
 def _attn_bwd_delta_kernel(
     O, DO, DELTA, stride_ot, stride_oh, stride_dot, stride_doh, T_q, H_Q,
@@ -322,20 +382,31 @@ def _common(q, k, v, *more, softcap: float) -> dict:
     )  # fmt: skip
 
 
+def _work_and_grid(order, per_tile: int, persistent):
+    """(N_WORK argument, grid): one program per (tile, head block) of ``order`` but its never-
+    launched last entry, or the persistent launch's (tile count, fixed program count)."""
+    if persistent is None:
+        return order, ((order.numel() - 1) * per_tile,)
+    return persistent[0], (persistent[1],)
+
+
 def backward_dq(
     do, q, k, v, o, lse, delta, dq, lo_q, hi_q, order, *, softmax_scale: float, softcap: float,
     fold: int, block_m: int, block_n: int, num_warps: int, num_stages: int, traceable: bool = False,
+    persistent: tuple[torch.Tensor, int] | None = None,
 ) -> None:  # fmt: skip
-    """Launch the dQ kernel; writes dq and delta (H_q, T_q) in place."""
+    """Launch the dQ kernel; writes dq and delta (H_q, T_q) in place (the rows of this launch's
+    tiles). ``persistent``: see attention_fwd.attention_forward."""
     scale_a, scale_b = score_constants(softmax_scale, softcap)
     n_head_blocks = q.shape[1] // fold
-    launcher(_attn_bwd_dq_kernel, traceable)[((order.numel() - 1) * n_head_blocks,)](
-        q, k, v, o, do, lse, delta, dq, lo_q, hi_q, order,
+    n_work, grid = _work_and_grid(order, n_head_blocks, persistent)
+    launcher(_attn_bwd_dq_kernel, traceable)[grid](
+        q, k, v, o, do, lse, delta, dq, lo_q, hi_q, order, n_work,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         o.stride(0), o.stride(1), do.stride(0), do.stride(1), dq.stride(0), dq.stride(1),
         q.shape[0], k.shape[0], n_head_blocks, scale_a, scale_b, softmax_scale,
         FOLD=fold, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages,
-        **_common(q, k, v, o, do, dq, softcap=softcap),
+        PERSISTENT=persistent is not None, **_common(q, k, v, o, do, dq, softcap=softcap),
     )  # fmt: skip
 
 
@@ -353,7 +424,7 @@ def backward_delta(o, do, delta, *, traceable: bool = False) -> None:
 def backward_dkdv(
     do, q, k, v, lse, delta, dk, dv, qlo_k, qhi_k, order, *, softmax_scale: float, softcap: float,
     fold: int, block_m: int, block_n: int, num_warps: int, num_stages: int, traceable: bool = False,
-    dq_acc: torch.Tensor | None = None,
+    dq_acc: torch.Tensor | None = None, persistent: tuple[torch.Tensor, int] | None = None,
 ) -> None:  # fmt: skip
     """Launch the dK/dV kernel (needs delta from backward_dq or backward_delta); writes dk, dv in
     place. With ``dq_acc`` ((T_q, H_q, D) fp32, zeroed) it also adds every tile's scale * dS K
@@ -361,15 +432,35 @@ def backward_dkdv(
     scale_a, scale_b = score_constants(softmax_scale, softcap)
     h_kv = k.shape[1]
     acc = dk if dq_acc is None else dq_acc  # a placeholder pointer when there is no fused dQ
-    launcher(_attn_bwd_dkdv_kernel, traceable)[((order.numel() - 1) * h_kv,)](
-        q, k, v, do, lse, delta, dk, dv, acc, qlo_k, qhi_k, order,
+    n_work, grid = _work_and_grid(order, h_kv, persistent)
+    launcher(_attn_bwd_dkdv_kernel, traceable)[grid](
+        q, k, v, do, lse, delta, dk, dv, acc, qlo_k, qhi_k, order, n_work,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
         acc.stride(0), acc.stride(1), q.shape[0], k.shape[0], h_kv, scale_a, scale_b,
         softmax_scale, FOLD=fold, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
-        num_stages=num_stages, ATOMIC_DQ=dq_acc is not None,
+        num_stages=num_stages, ATOMIC_DQ=dq_acc is not None, PERSISTENT=persistent is not None,
         **_common(q, k, v, do, dk, dv, *(() if dq_acc is None else (dq_acc,)), softcap=softcap),
     )  # fmt: skip
+
+
+def _passes(plan, side, cfg, long, group, block, step, fold, device):
+    """The launches of one backward pass: [(order, cfg, fold, persistent)], the short-config one
+    and, with a long path, the long one (attention_schedule.split_orders)."""
+    tile = block(cfg) // fold if side == "q" else block(cfg)
+    if long is None:
+        order = plan.order_q(tile) if side == "q" else plan.order_k(tile)
+        return [(order, cfg, fold, None)]
+    lc = long.cfg
+    fold_l = fold_factor(
+        group, step(lc), getattr(lc, ("dq" if side == "q" else "kv") + "_min_tokens")
+    )
+    tile_l = block(lc) // fold_l if side == "q" else block(lc)
+    order_s, order_l, n_long = plan.split(side, tile, tile_l, long.min_span)
+    return [
+        (order_s, cfg, fold, None),
+        (order_l, lc, fold_l, (n_long, persistent_programs(device))),
+    ]
 
 
 def attention_backward(
@@ -388,6 +479,7 @@ def attention_backward(
     fold_kv: int,
     deterministic: bool = False,
     traceable: bool = False,
+    long=None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dQ (+delta) then dK/dV over the plan's heaviest-first orders; returns dq, dk, dv.
 
@@ -397,7 +489,8 @@ def attention_backward(
     atomics: 5 matmuls per visible block instead of 7 (the split dQ kernel recomputes S and dP),
     at the price of an fp32 (T_q, H_q, D) buffer and a summation order that varies from run to run.
     ``deterministic`` is the caller's request for a bitwise-repeatable backward: it always gets
-    the split one.
+    the split one. ``long`` (attention_schedule.LongPath): each kernel runs twice, short-config
+    tiles then, persistent, the long-document tiles (each row still written by one program).
     """
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
@@ -407,24 +500,31 @@ def attention_backward(
         return dq, dk.zero_(), dv.zero_()
     delta = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
     kw = dict(softmax_scale=softmax_scale, softcap=softcap, traceable=traceable)
+    group = q.shape[1] // k.shape[1]
+    kv_passes = _passes(
+        plan, "k", cfg, long, group, lambda c: c.kv_block_n, lambda c: c.kv_block_m, fold_kv,
+        q.device,
+    )  # fmt: skip
     if fused:
         dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         backward_delta(o, do, delta, traceable=traceable)
-        backward_dkdv(
-            do, q, k, v, lse, delta, dk, dv, plan.qlo_k, plan.qhi_k, plan.order_k(cfg.kv_block_n),
-            fold=fold_kv, block_m=cfg.kv_block_m, block_n=cfg.kv_block_n,
-            num_warps=cfg.kv_warps, num_stages=cfg.kv_stages, dq_acc=dq_acc, **kw,
+    else:
+        dq_acc = None
+        dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+        dq_passes = _passes(
+            plan, "q", cfg, long, group, lambda c: c.dq_block_m, lambda c: c.dq_block_m, fold_dq,
+            q.device,
         )  # fmt: skip
-        return dq_acc.to(q.dtype), dk, dv
-    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-    backward_dq(
-        do, q, k, v, o, lse, delta, dq, plan.lo_q, plan.hi_q, plan.order_q(cfg.dq_block_m // fold_dq),
-        fold=fold_dq, block_m=cfg.dq_block_m, block_n=cfg.dq_block_n,
-        num_warps=cfg.dq_warps, num_stages=cfg.dq_stages, **kw,
-    )  # fmt: skip
-    backward_dkdv(
-        do, q, k, v, lse, delta, dk, dv, plan.qlo_k, plan.qhi_k, plan.order_k(cfg.kv_block_n),
-        fold=fold_kv, block_m=cfg.kv_block_m, block_n=cfg.kv_block_n,
-        num_warps=cfg.kv_warps, num_stages=cfg.kv_stages, **kw,
-    )  # fmt: skip
-    return dq, dk, dv
+        for order, c, fold, persistent in dq_passes:
+            backward_dq(
+                do, q, k, v, o, lse, delta, dq, plan.lo_q, plan.hi_q, order, fold=fold,
+                block_m=c.dq_block_m, block_n=c.dq_block_n, num_warps=c.dq_warps,
+                num_stages=c.dq_stages, persistent=persistent, **kw,
+            )  # fmt: skip
+    for order, c, fold, persistent in kv_passes:  # after every dQ launch: they write delta
+        backward_dkdv(
+            do, q, k, v, lse, delta, dk, dv, plan.qlo_k, plan.qhi_k, order, fold=fold,
+            block_m=c.kv_block_m, block_n=c.kv_block_n, num_warps=c.kv_warps,
+            num_stages=c.kv_stages, dq_acc=dq_acc, persistent=persistent, **kw,
+        )  # fmt: skip
+    return (dq_acc.to(q.dtype) if fused else dq), dk, dv

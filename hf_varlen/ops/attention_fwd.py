@@ -105,25 +105,21 @@ def _fwd_step(
     return acc, m_new, l_i
 
 
-@triton.jit(do_not_specialize=["T_q", "T_k"])
-def _attn_fwd_kernel(
-    Q, K, V, O, LSE, LO, HI, ORDER,
+@triton.jit
+def _fwd_tile(
+    work, Q, K, V, O, LSE, LO, HI, ORDER,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-    T_q, T_k, N_HEAD_BLOCKS, scale_a, scale_b,
+    T_q, N_HEAD_BLOCKS, scale_a, scale_b,
     GROUP: tl.constexpr, FOLD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
     LONG_INDEXING: tl.constexpr,
 ):  # fmt: skip
+    """One work item: tile ORDER[work // N_HEAD_BLOCKS] x head block work % N_HEAD_BLOCKS."""
     EMPTY: tl.constexpr = 2147483647
     TILE: tl.constexpr = BLOCK_M // FOLD
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
-    # Inductor types Python-float arguments as fp64 (eager triton: fp32); fp64 scores would change
-    # the type of the loop-carried m_i and run fp64 math, so the scalars are fp32 from here on.
-    scale_a = tl.cast(scale_a, tl.float32)
-    scale_b = tl.cast(scale_b, tl.float32)
-    pid = tl.program_id(0)
-    tile = tl.load(ORDER + pid // N_HEAD_BLOCKS)
-    head_block = pid % N_HEAD_BLOCKS
+    tile = tl.load(ORDER + work // N_HEAD_BLOCKS)
+    head_block = work % N_HEAD_BLOCKS
     r = tl.arange(0, BLOCK_M)
     tok = tile * TILE + r // FOLD
     head = head_block * FOLD + r % FOLD
@@ -184,6 +180,38 @@ def _attn_fwd_kernel(
     tl.store(LSE + head * T_q + tok, lse, mask=row_ok)
 
 
+@triton.jit(do_not_specialize=["T_q", "T_k"])
+def _attn_fwd_kernel(
+    Q, K, V, O, LSE, LO, HI, ORDER, N_WORK,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    T_q, T_k, N_HEAD_BLOCKS, scale_a, scale_b,
+    GROUP: tl.constexpr, FOLD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
+    LONG_INDEXING: tl.constexpr, PERSISTENT: tl.constexpr,
+):  # fmt: skip
+    """One program per work item, or (PERSISTENT) a fixed grid whose programs take work items
+    pid, pid + grid, ... of the first N_WORK[0] tiles of ORDER (x head blocks)."""
+    # Inductor types Python-float arguments as fp64 (eager triton: fp32); fp64 scores would change
+    # the type of the loop-carried m_i and run fp64 math, so the scalars are fp32 from here on.
+    scale_a = tl.cast(scale_a, tl.float32)
+    scale_b = tl.cast(scale_b, tl.float32)
+    args = (Q, K, V, O, LSE, LO, HI, ORDER, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
+            stride_vh, stride_ot, stride_oh, T_q, N_HEAD_BLOCKS, scale_a, scale_b)  # fmt: skip
+    pid = tl.program_id(0)
+    if PERSISTENT:
+        n_work = tl.load(N_WORK) * N_HEAD_BLOCKS
+        for work in range(pid, n_work, tl.num_programs(0)):
+            _fwd_tile(
+                work, *args, GROUP, FOLD, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, SOFTCAP, IEEE,
+                LONG_INDEXING,
+            )  # fmt: skip
+    else:
+        _fwd_tile(
+            pid, *args, GROUP, FOLD, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, SOFTCAP, IEEE,
+            LONG_INDEXING,
+        )  # fmt: skip
+
+
 def launcher(kernel, traceable: bool):
     """``kernel`` itself, or its ``wrap_triton`` wrapper when ``traceable``. An interpreted kernel
     (TRITON_INTERPRET=1) is never wrapped: torch cannot trace it (its op is opaque, see
@@ -225,28 +253,39 @@ def attention_forward(
     num_warps: int,
     num_stages: int,
     traceable: bool = False,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    persistent: tuple[torch.Tensor, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernel; returns o (T_q, H_q, D) and lse (H_q, T_q) fp32 (natural log).
 
     ``traceable``: launch through ``torch.library.wrap_triton`` (inside the registered op, so
-    torch.compile sees the kernel); eager calls launch the kernel directly (no HOP dispatch)."""
+    torch.compile sees the kernel); eager calls launch the kernel directly (no HOP dispatch).
+    ``out``: (o, lse) to write into (the rows of this launch's tiles) instead of new tensors.
+    ``persistent``: (n_tiles (1,) int32 on the device, programs): a fixed grid of ``programs``
+    that loops over the first n_tiles entries of ``order`` (the long-document launch)."""
     t_q, h_q, dim = q.shape
     t_k, h_kv = k.shape[0], k.shape[1]
-    o = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse = torch.empty((h_q, t_q), dtype=torch.float32, device=q.device)
+    if out is None:
+        o = torch.empty_like(q, memory_format=torch.contiguous_format)
+        lse = torch.empty((h_q, t_q), dtype=torch.float32, device=q.device)
+    else:
+        o, lse = out
     if t_q == 0:
         return o, lse
     scale_a, scale_b = score_constants(softmax_scale, softcap)
     n_head_blocks = h_q // fold
-    grid = ((order.numel() - 1) * n_head_blocks,)  # the last entry is never launched
+    if persistent is None:
+        n_work, grid = order, ((order.numel() - 1) * n_head_blocks,)  # last entry: never launched
+    else:
+        n_work, grid = persistent[0], (persistent[1],)
     launcher(_attn_fwd_kernel, traceable)[grid](
-        q, k, v, o, lse, lo_q, hi_q, order,
+        q, k, v, o, lse, lo_q, hi_q, order, n_work,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         o.stride(0), o.stride(1),
         t_q, t_k, n_head_blocks, scale_a, scale_b,
         GROUP=h_q // h_kv, FOLD=fold, HEAD_DIM=dim, BLOCK_D=max(16, triton.next_power_of_2(dim)),
         BLOCK_M=block_m, BLOCK_N=block_n, SOFTCAP=softcap > 0, IEEE=q.dtype == torch.float32,
         LONG_INDEXING=needs_long_indexing(q, k, v, o) or h_q * t_q >= 2**31,
-        num_warps=num_warps, num_stages=num_stages,
+        PERSISTENT=persistent is not None, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return o, lse

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -88,25 +89,81 @@ _CUDA_CONFIGS = {
 _INTERPRETER_CONFIG = KernelConfig(16, 16, 1, 1, 4, 16, 16, 1, 1, 4, 16, 16, 1, 1, 4)
 
 
+@dataclass(frozen=True)
+class LongPath:
+    """The long-document path: tiles whose span (keys a query tile sees, or query rows that see a
+    key tile) is >= ``min_span`` run with ``cfg``'s bigger blocks, in a second, persistent launch
+    (a fixed grid of one program per SM looping over those tiles, heaviest first); the others run
+    with the short config as before. One call can mix both (``split_orders``)."""
+
+    cfg: KernelConfig
+    min_span: int
+
+
+# None: no long path measured better than the short config for that head_dim yet.
+_CUDA_LONG: dict[int, LongPath] = {}
+# Different tiles from the short interpreter config (the split's lcm logic runs), a small span
+# (CPU tests with documents of > 64 tokens take the long path).
+_INTERPRETER_LONG = LongPath(
+    KernelConfig(32, 32, 1, 1, 4, 32, 32, 1, 1, 4, 32, 16, 1, 1, 4), min_span=64
+)
+
+
 @functools.lru_cache(maxsize=4)
-def _load_overrides(path: str) -> dict[int, KernelConfig]:
+def _load_overrides(path: str) -> dict:
     with open(path) as f:
-        return {int(k): KernelConfig(*v[:15], *map(bool, v[15:])) for k, v in json.load(f).items()}
+        raw = json.load(f)
+    out: dict = {}
+    for k, v in raw.items():
+        if k == "long_min_span":
+            continue
+        cfg = KernelConfig(*v[:15], *map(bool, v[15:]))
+        if k.startswith("long"):
+            out["long", int(k[4:])] = LongPath(cfg, int(raw.get("long_min_span", 2048)))
+        else:
+            out[int(k)] = cfg
+    return out
 
 
-def _overrides() -> dict[int, KernelConfig]:
-    """Configs from $HF_VARLEN_TRITON_ATTN_CONFIG (JSON {"128": [15 ints (+ bwd_fused 0/1)], ...}),
-    for tuning runs."""
+def _overrides() -> dict:
+    """Configs from $HF_VARLEN_TRITON_ATTN_CONFIG, for tuning runs: JSON {"128": [15 ints
+    (+ bwd_fused 0/1)], "long128": [15 ints], "long_min_span": int, ...}."""
     path = os.environ.get("HF_VARLEN_TRITON_ATTN_CONFIG")
     return _load_overrides(path) if path else {}
+
+
+def _key(head_dim: int) -> int:
+    return 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
 
 
 def pick_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> KernelConfig:
     """Block sizes for head_dim/dtype/device (never for T, max_seqlen or the document count)."""
     if device.type != "cuda":  # the CPU interpreter: small tiles keep the numpy emulation fast
         return _INTERPRETER_CONFIG
-    key = 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
+    key = _key(head_dim)
     return _overrides().get(key) or _CUDA_CONFIGS[key]
+
+
+def pick_long_path(head_dim: int, dtype: torch.dtype, device: torch.device) -> LongPath | None:
+    """The long-document path for head_dim/dtype/device, or None (every tile takes the short
+    config)."""
+    if device.type != "cuda":
+        return _INTERPRETER_LONG
+    key = _key(head_dim)
+    return _overrides().get(("long", key)) or _CUDA_LONG.get(key)
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def persistent_programs(device: torch.device) -> int:
+    """Programs of a persistent launch: one per SM (big-tile kernels hold one program per SM);
+    3 under the interpreter, so CPU tests run programs that take several tiles each."""
+    if device.type != "cuda":
+        return 3
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def fold_factor(group: int, block_m: int, min_tokens: int) -> int:
@@ -138,6 +195,14 @@ class Plan:
         if ("k", tile) not in self._orders:
             self._orders["k", tile] = heaviest_first(self.qlo_k, self.qhi_k, tile)
         return self._orders["k", tile]
+
+    def split(self, side: str, tile_s: int, tile_l: int, min_span: int):
+        """``split_orders`` over the query rows (side "q") or the key rows ("k"), memoised."""
+        key = ("split", side, tile_s, tile_l, min_span)
+        if key not in self._orders:
+            lo, hi = (self.lo_q, self.hi_q) if side == "q" else (self.qlo_k, self.qhi_k)
+            self._orders[key] = split_orders(lo, hi, tile_s, tile_l, min_span)
+        return self._orders[key]
 
 
 def _doc_of(cu: torch.Tensor, n_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -197,6 +262,13 @@ def heaviest_first(lo: torch.Tensor, hi: torch.Tensor, tile: int) -> torch.Tenso
     dimension (a (n_tiles, tile) view, a slice, an elementwise op) specialises n_tiles == 1 against
     n_tiles >= 2 — a recompile whenever a pack crosses one tile, once per tile size of the three
     kernels. n_tiles + 1 >= 2 is known from T >= 2, so it adds no guard."""
+    # Stable: ties keep index order, so the empty extra tile (span 0, the highest index) is last.
+    return torch.argsort(tile_spans(lo, hi, tile), descending=True, stable=True).to(torch.int32)
+
+
+def tile_spans(lo: torch.Tensor, hi: torch.Tensor, tile: int) -> torch.Tensor:
+    """(n_tiles + 1,) int32: max hi - min lo + 1 (>= 0) over each tile's rows; the extra last
+    entry (the empty tile) is 0."""
     n = lo.numel()
     n_tiles = -(-n // tile)
     tile_of = torch.arange(n, device=lo.device) // tile
@@ -206,9 +278,37 @@ def heaviest_first(lo: torch.Tensor, hi: torch.Tensor, tile: int) -> torch.Tenso
     hi_t = torch.full((n_tiles + 1,), -1, dtype=torch.int32, device=lo.device)
     lo_t = lo_t.scatter_reduce(0, tile_of, lo.to(torch.int32), "amin")
     hi_t = hi_t.scatter_reduce(0, tile_of, hi.to(torch.int32), "amax")
-    span = (hi_t - lo_t + 1).clamp_min(0)
-    # Stable: ties keep index order, so the empty extra tile (span 0, the highest index) is last.
-    return torch.argsort(span, descending=True, stable=True).to(torch.int32)
+    return (hi_t - lo_t + 1).clamp_min(0)
+
+
+def split_orders(
+    lo: torch.Tensor, hi: torch.Tensor, tile_s: int, tile_l: int, min_span: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows split between a short-tile launch and a long-tile launch: (order_s, order_l, n_long).
+
+    Both tilings start at row 0, so with G = lcm(tile_s, tile_l) every G-row block is a whole
+    number of tiles of either size. A block is long when its span is >= ``min_span``; its rows
+    belong to the long launch, every other row to the short one (an exact partition: each row is
+    computed once). order_s: heaviest_first's shape (n_s + 1,), the long blocks' short tiles
+    replaced by the empty tile n_s (their programs do nothing). order_l: (n_l + 1,), the long
+    tiles first, heaviest first; n_long (1,) int32: how many (the persistent launch's work)."""
+    g = math.lcm(tile_s, tile_l)
+    long_g = tile_spans(lo, hi, g) >= min_span  # (n_g + 1,), the extra entry never long
+
+    def side(tile):
+        span = tile_spans(lo, hi, tile)
+        idx = torch.arange(span.numel(), device=lo.device)
+        is_long = long_g[idx * tile // g]  # the extra entry maps into [0, n_g]: never long
+        return span, is_long
+
+    span_s, long_s = side(tile_s)
+    n_s = span_s.numel() - 1
+    order_s = torch.argsort(torch.where(long_s, -1, span_s), descending=True, stable=True)
+    order_s = torch.where(long_s[order_s], n_s, order_s).to(torch.int32)
+    span_l, long_l = side(tile_l)
+    order_l = torch.argsort(torch.where(long_l, span_l, -1), descending=True, stable=True)
+    n_long = long_l.sum(dtype=torch.int32).reshape(1)
+    return order_s, order_l.to(torch.int32), n_long
 
 
 # Plans keyed on the cu_seqlens tensor objects (all layers of a forward and the backward share them;

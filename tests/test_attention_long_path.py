@@ -1,0 +1,113 @@
+"""The long-document path of the triton attention (attention_schedule.LongPath): tiles whose span
+reaches ``min_span`` run in a second, persistent launch with bigger blocks.
+
+CPU (TRITON_INTERPRET=1): the interpreter's long path (32-row tiles from a span of 64, 3
+persistent programs) beside its 16-row short tiles: the row split is an exact partition, and
+mixed packs match the reference forward and backward, split and fused. GPU (marked): a long
+config given through the tuning override, bf16, long and short documents in one call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from attn_cases import cu_from_lengths
+from test_triton_attention import DEVICE, check
+
+from hf_varlen.ops import attention, attention_schedule
+from hf_varlen.ops.attention_schedule import get_plan, row_bounds, split_orders, tile_spans
+
+
+def _rows(order, n_launched, tile, n):
+    rows = []
+    for t in order[:n_launched].tolist():
+        rows += [r for r in range(t * tile, (t + 1) * tile) if r < n]
+    return rows
+
+
+@pytest.mark.parametrize("tile_s,tile_l", [(16, 32), (16, 48), (32, 32), (64, 16)])
+@pytest.mark.parametrize("window", [(-1, 0), (-1, -1), (40, 0)])
+def test_split_is_an_exact_partition(tile_s, tile_l, window):
+    lengths = [300, 20, 7, 150, 3, 1, 90, 64]
+    n = sum(lengths)
+    cu = cu_from_lengths(lengths)
+    lo_q, hi_q, qlo_k, qhi_k = row_bounds(cu, cu, n, n, *window)
+    for lo, hi in ((lo_q, hi_q), (qlo_k, qhi_k)):
+        order_s, order_l, n_long = split_orders(lo, hi, tile_s, tile_l, min_span=64)
+        n_s = order_s.numel() - 1
+        assert order_l.numel() == -(-n // tile_l) + 1 and order_s.numel() == -(-n // tile_s) + 1
+        short_rows = _rows(order_s, n_s, tile_s, n)
+        long_rows = _rows(order_l, int(n_long), tile_l, n)
+        assert sorted(short_rows + long_rows) == list(range(n))  # every row exactly once
+        if window == (-1, 0) and max(tile_s, tile_l) <= 32:
+            assert long_rows and short_rows  # this pack has both kinds at these tiles
+        spans = tile_spans(lo, hi, tile_l)[order_l[: int(n_long)].long()]
+        assert (spans[:-1] >= spans[1:]).all()  # heaviest first
+
+
+def test_no_long_tiles_leaves_the_short_order_alone():
+    lengths = [20, 7, 30, 3]
+    n = sum(lengths)
+    cu = cu_from_lengths(lengths)
+    lo, hi, _, _ = row_bounds(cu, cu, n, n, -1, 0)
+    order_s, _, n_long = split_orders(lo, hi, 16, 32, min_span=64)
+    assert int(n_long) == 0
+    assert torch.equal(order_s, attention_schedule.heaviest_first(lo, hi, 16))
+
+
+@pytest.mark.parametrize(
+    "lengths,h_q,h_kv,kw",
+    [
+        ([300, 20, 7, 150, 3], 4, 2, {}),
+        ([5, 260, 1, 99], 4, 1, dict(causal=False)),
+        ([200, 33, 130], 2, 2, dict(window_size=(48, 0))),
+        ([180, 9], 4, 4, dict(softcap=5.0)),
+    ],
+)
+def test_mixed_pack_matches_reference(lengths, h_q, h_kv, kw):
+    cu = cu_from_lengths(lengths, DEVICE)
+    plan = get_plan(cu, cu, sum(lengths), sum(lengths), -1, 0)
+    assert int(plan.split("q", 16, 32, 64)[2]) > 0  # the long launch has work here
+    check(lengths, h_q, h_kv, 16, torch.float32, **kw)
+
+
+def test_mixed_pack_fused_backward(fused_backward):
+    check([300, 20, 7, 150, 3], 4, 2, 16, torch.float32)
+
+
+def test_long_path_off_matches_too(monkeypatch):
+    monkeypatch.setattr(attention, "pick_long_path", lambda *a: None)
+    check([300, 20, 7, 150, 3], 4, 2, 16, torch.float32)
+
+
+def test_override_file_sets_the_long_path(tmp_path, monkeypatch):
+    cfg = [128, 64, 8, 3, 16, 128, 64, 8, 2, 32, 128, 64, 8, 2, 8]
+    path = tmp_path / "long.json"
+    path.write_text(json.dumps({"long128": cfg, "long_min_span": 512}))
+    monkeypatch.setenv("HF_VARLEN_TRITON_ATTN_CONFIG", str(path))
+    long = attention_schedule.pick_long_path(128, torch.bfloat16, torch.device("cuda"))
+    assert long.min_span == 512 and long.cfg.fwd_block_n == 64 and long.cfg.kv_block_n == 128
+    assert attention_schedule.pick_long_path(256, torch.bfloat16, torch.device("cuda")) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lengths", [[4096, 100, 37, 2000, 1], [8192], [300] * 7 + [5]])
+@pytest.mark.parametrize("h_q,h_kv", [(32, 8), (16, 16)])
+def test_gpu_long_path_bf16_matches_reference(lengths, h_q, h_kv, tmp_path, monkeypatch):
+    """A long config through the tuning override (the shipped one, where there is one, is what
+    ``pick_long_path`` returns without it; this pins the path on whatever ships)."""
+    long = attention_schedule.pick_long_path(128, torch.bfloat16, torch.device("cuda"))
+    cfg = (
+        list(dataclasses.astuple(long.cfg))[:15]
+        if long
+        else [128, 64, 8, 3, 16, 128, 64, 8, 2, 32, 128, 64, 8, 2, 8]
+    )
+    path = tmp_path / "long.json"
+    path.write_text(json.dumps({"long128": cfg, "long_min_span": 1024}))
+    monkeypatch.setenv("HF_VARLEN_TRITON_ATTN_CONFIG", str(path))
+    from test_triton_attention import test_gpu_bf16_matches_reference as bf16_case
+
+    bf16_case(lengths, h_q, h_kv)
