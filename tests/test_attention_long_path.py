@@ -91,6 +91,12 @@ def test_override_file_sets_the_long_path(tmp_path, monkeypatch):
     long = attention_schedule.pick_long_path(128, torch.bfloat16, torch.device("cuda"))
     assert long.min_span == 512 and long.cfg.fwd_block_n == 64 and long.cfg.kv_block_n == 128
     assert attention_schedule.pick_long_path(256, torch.bfloat16, torch.device("cuda")) is None
+    assert attention_schedule.pick_long_path(128, torch.float32, torch.device("cuda")) is None
+
+
+def test_shipped_long_path_on_cuda():
+    long = attention_schedule.pick_long_path(128, torch.bfloat16, torch.device("cuda"))
+    assert long is not None and long.min_span == 1024 and long.cfg.fwd_warps == 8
 
 
 @pytest.mark.gpu

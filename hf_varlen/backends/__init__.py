@@ -4,9 +4,9 @@
 measurements of forward+backward on packs of real alpaca and lima lengths (docs/BENCHMARKS.md):
 our ``triton`` kernel leads on packed SFT data (2.2x FA4 on real alpaca 16K, 1.6-2.4x torch's FA2
 on alpaca/lima 64K), so it comes first. When a call holds a document of >= LONG_DOCUMENT_TOKENS
-(8192) tokens, FA4 is tried first: on a 32K document its backward is faster than ours (1 x 32K +
-32K alpaca f+b: FA4 53 ms in ANCHORS.md, ours 91 ms; the crossover between 3K, where ours still
-wins on real lima, and 32K was not measured). Then FA2, torch's bundled FA2 (always present), flex (pays a mask
+(8192) tokens, FA4 is tried first: on a 32K document it is faster than ours, long-document path
+included (1 x 32K + 32K alpaca f+b: FA4 53 ms in ANCHORS.md, ours 83 ms, BENCHMARKS.md run G; the
+crossover between 3K, where ours still wins on real lima, and 32K was not measured). Then FA2, torch's bundled FA2 (always present), flex (pays a mask
 build per batch), xformers, SDPA. On CPU the per-document SDPA loop is the fastest exact path (flex
 runs an unfused dense path there; the triton backend needs a GPU).
 """

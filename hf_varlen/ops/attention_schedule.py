@@ -100,8 +100,12 @@ class LongPath:
     min_span: int
 
 
-# None: no long path measured better than the short config for that head_dim yet.
-_CUDA_LONG: dict[int, LongPath] = {}
+# Tuned on the H200 (scripts/bench_attention.py --tune --tune-set long) over 1 x 32K + 32K alpaca
+# and 8 x 8K: bigger steps, 8 warps (docs/BENCHMARKS.md, run G). head_dim 64 / 256: not measured,
+# no long path.
+_CUDA_LONG: dict[int, LongPath] = {
+    128: LongPath(KernelConfig(256, 64, 8, 3, 64, 128, 64, 8, 3, 64, 128, 64, 8, 3, 16), 1024),
+}
 # Different tiles from the short interpreter config (the split's lcm logic runs), a small span
 # (CPU tests with documents of > 64 tokens take the long path).
 _INTERPRETER_LONG = LongPath(
@@ -146,9 +150,12 @@ def pick_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> Kern
 
 def pick_long_path(head_dim: int, dtype: torch.dtype, device: torch.device) -> LongPath | None:
     """The long-document path for head_dim/dtype/device, or None (every tile takes the short
-    config)."""
+    config). On CUDA fp16/bf16 only: the long blocks were measured there, and in fp32 their
+    tiles need twice the registers and shared memory."""
     if device.type != "cuda":
         return _INTERPRETER_LONG
+    if dtype == torch.float32:
+        return None
     key = _key(head_dim)
     return _overrides().get(("long", key)) or _CUDA_LONG.get(key)
 
