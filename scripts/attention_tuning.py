@@ -214,14 +214,14 @@ def _issued_flops(lo, hi, tile_rows, rows_per_step, step, cols, matmuls, d, prog
     return float(steps.sum()) * rows_per_step * cols * d * 2 * matmuls * programs_per_tile
 
 
-def _backward_variants_ms(s, cfg, fold_dq, fold_kv) -> dict[str, float]:
+def _backward_variants_ms(s, cfg) -> dict[str, float]:
     """The whole backward of the default config, split (the default) and fused (atomic dQ)."""
     import dataclasses
 
     from hf_varlen.ops.attention_bwd import attention_backward
 
     args = (s["do"], s["q"], s["k"], s["v"], s["o"], s["lse"], s["plan"])
-    kw = dict(softmax_scale=s["scale"], softcap=0.0, fold_dq=fold_dq, fold_kv=fold_kv)
+    kw = dict(softmax_scale=s["scale"], softcap=0.0)
     labels = {False: "backward split (dq + dkdv)", True: "backward fused (delta + atomic-dq dkdv)"}
     cfgs = {label: dataclasses.replace(cfg, bwd_fused=f) for f, label in labels.items()}
     return {
@@ -299,7 +299,7 @@ def breakdown(all_cases, names, heads, dtype):
                 out.append(row)
                 print(json.dumps(row), flush=True)
             out.append(dict(heads=h, case=case, kernel="plan (once per batch)", ms=times["plan"]))
-            for label, ms in _backward_variants_ms(s, cfg, f_dq, f_kv).items():
+            for label, ms in _backward_variants_ms(s, cfg).items():
                 out.append(dict(heads=h, case=case, kernel=label, ms=ms))
                 print(f"{h} {case}: {label} {ms:.3f} ms", flush=True)
             print(

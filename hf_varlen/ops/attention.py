@@ -40,13 +40,7 @@ import torch
 
 from .attention_bwd import attention_backward
 from .attention_fwd import attention_forward
-from .attention_schedule import (
-    fold_factor,
-    get_plan,
-    persistent_programs,
-    pick_config,
-    pick_long_path,
-)
+from .attention_schedule import get_plan, launch_passes, pick_config, pick_long_path
 from .common import causal_window, deterministic_requested
 from .library import compiling
 
@@ -123,37 +117,27 @@ def forward_launch(q, k, v, plan, softmax_scale, softcap, traceable=False):
     persistent launch with bigger blocks, writing their rows of the same o / lse."""
     cfg = pick_config(q.shape[2], q.dtype, q.device)
     long = pick_long_path(q.shape[2], q.dtype, q.device)
-    group = q.shape[1] // k.shape[1]
-    fold = fold_factor(group, cfg.fwd_block_m, cfg.fwd_min_tokens)
-    tile = cfg.fwd_block_m // fold
-    kw = dict(softmax_scale=softmax_scale, softcap=softcap, traceable=traceable)
-    short = dict(fold=fold, block_m=cfg.fwd_block_m, block_n=cfg.fwd_block_n,
-                 num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages)  # fmt: skip
-    if long is None:
-        return attention_forward(q, k, v, plan.lo_q, plan.hi_q, plan.order_q(tile), **short, **kw)
-    lc = long.cfg
-    fold_l = fold_factor(group, lc.fwd_block_m, lc.fwd_min_tokens)
-    order_s, order_l, n_long = plan.split("q", tile, lc.fwd_block_m // fold_l, long.min_span)
-    out = attention_forward(q, k, v, plan.lo_q, plan.hi_q, order_s, **short, **kw)
-    return attention_forward(
-        q, k, v, plan.lo_q, plan.hi_q, order_l, fold=fold_l, block_m=lc.fwd_block_m,
-        block_n=lc.fwd_block_n, num_warps=lc.fwd_warps, num_stages=lc.fwd_stages, out=out,
-        persistent=(n_long, persistent_programs(q.device)), **kw,
-    )  # fmt: skip
+    out = None
+    for order, c, fold, persistent in launch_passes(
+        plan, "fwd", cfg, long, q.shape[1] // k.shape[1], q.device
+    ):
+        out = attention_forward(
+            q, k, v, plan.lo_q, plan.hi_q, order, softmax_scale=softmax_scale, softcap=softcap,
+            fold=fold, block_m=c.fwd_block_m, block_n=c.fwd_block_n, num_warps=c.fwd_warps,
+            num_stages=c.fwd_stages, traceable=traceable, out=out, persistent=persistent,
+        )  # fmt: skip
+    return out
 
 
 def backward_launch(
     do, q, k, v, o, lse, plan, softmax_scale, softcap, deterministic, traceable=False
 ):
     """(dq, dk, dv) over a plan (attention_bwd.attention_backward with this shape's configs)."""
-    cfg = pick_config(q.shape[2], q.dtype, q.device)
-    group = q.shape[1] // k.shape[1]
     return attention_backward(
         _last_dim_contiguous(do), q, k, v, o, lse, plan,
-        softmax_scale=softmax_scale, softcap=softcap, cfg=cfg, deterministic=deterministic,
-        fold_dq=fold_factor(group, cfg.dq_block_m, cfg.dq_min_tokens),
-        fold_kv=fold_factor(group, cfg.kv_block_m, cfg.kv_min_tokens), traceable=traceable,
-        long=pick_long_path(q.shape[2], q.dtype, q.device),
+        softmax_scale=softmax_scale, softcap=softcap,
+        cfg=pick_config(q.shape[2], q.dtype, q.device), deterministic=deterministic,
+        traceable=traceable, long=pick_long_path(q.shape[2], q.dtype, q.device),
     )  # fmt: skip
 
 

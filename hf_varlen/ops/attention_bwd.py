@@ -40,7 +40,7 @@ from .attention_fwd import (
     needs_long_indexing,
     score_constants,
 )
-from .attention_schedule import fold_factor, persistent_programs
+from .attention_schedule import launch_passes
 
 
 @triton.jit
@@ -444,25 +444,6 @@ def backward_dkdv(
     )  # fmt: skip
 
 
-def _passes(plan, side, cfg, long, group, block, step, fold, device):
-    """The launches of one backward pass: [(order, cfg, fold, persistent)], the short-config one
-    and, with a long path, the long one (attention_schedule.split_orders)."""
-    tile = block(cfg) // fold if side == "q" else block(cfg)
-    if long is None:
-        order = plan.order_q(tile) if side == "q" else plan.order_k(tile)
-        return [(order, cfg, fold, None)]
-    lc = long.cfg
-    fold_l = fold_factor(
-        group, step(lc), getattr(lc, ("dq" if side == "q" else "kv") + "_min_tokens")
-    )
-    tile_l = block(lc) // fold_l if side == "q" else block(lc)
-    order_s, order_l, n_long = plan.split(side, tile, tile_l, long.min_span)
-    return [
-        (order_s, cfg, fold, None),
-        (order_l, lc, fold_l, (n_long, persistent_programs(device))),
-    ]
-
-
 def attention_backward(
     do: torch.Tensor,
     q: torch.Tensor,
@@ -475,8 +456,6 @@ def attention_backward(
     softmax_scale: float,
     softcap: float,
     cfg,
-    fold_dq: int,
-    fold_kv: int,
     deterministic: bool = False,
     traceable: bool = False,
     long=None,
@@ -501,26 +480,19 @@ def attention_backward(
     delta = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
     kw = dict(softmax_scale=softmax_scale, softcap=softcap, traceable=traceable)
     group = q.shape[1] // k.shape[1]
-    kv_passes = _passes(
-        plan, "k", cfg, long, group, lambda c: c.kv_block_n, lambda c: c.kv_block_m, fold_kv,
-        q.device,
-    )  # fmt: skip
     if fused:
         dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         backward_delta(o, do, delta, traceable=traceable)
     else:
         dq_acc = None
         dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-        dq_passes = _passes(
-            plan, "q", cfg, long, group, lambda c: c.dq_block_m, lambda c: c.dq_block_m, fold_dq,
-            q.device,
-        )  # fmt: skip
-        for order, c, fold, persistent in dq_passes:
+        for order, c, fold, persistent in launch_passes(plan, "dq", cfg, long, group, q.device):
             backward_dq(
                 do, q, k, v, o, lse, delta, dq, plan.lo_q, plan.hi_q, order, fold=fold,
                 block_m=c.dq_block_m, block_n=c.dq_block_n, num_warps=c.dq_warps,
                 num_stages=c.dq_stages, persistent=persistent, **kw,
             )  # fmt: skip
+    kv_passes = launch_passes(plan, "kv", cfg, long, group, q.device)
     for order, c, fold, persistent in kv_passes:  # after every dQ launch: they write delta
         backward_dkdv(
             do, q, k, v, lse, delta, dk, dv, plan.qlo_k, plan.qhi_k, order, fold=fold,

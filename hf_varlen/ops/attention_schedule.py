@@ -183,6 +183,36 @@ def fold_factor(group: int, block_m: int, min_tokens: int) -> int:
     return best
 
 
+def kernel_tiling(cfg: KernelConfig, kernel: str, group: int) -> tuple[int, int]:
+    """(fold, rows per tile of the launch order) of one kernel ("fwd", "dq" or "kv") under cfg:
+    query tokens per tile for the forward and dQ, key tokens per tile for dK/dV."""
+    if kernel == "kv":
+        return fold_factor(group, cfg.kv_block_m, cfg.kv_min_tokens), cfg.kv_block_n
+    block, min_tokens = (
+        (cfg.fwd_block_m, cfg.fwd_min_tokens)
+        if kernel == "fwd"
+        else (cfg.dq_block_m, cfg.dq_min_tokens)
+    )
+    fold = fold_factor(group, block, min_tokens)
+    return fold, block // fold
+
+
+def launch_passes(plan, kernel: str, cfg: KernelConfig, long: LongPath | None, group: int,
+                  device: torch.device) -> list:  # fmt: skip
+    """The launches of one kernel over a plan: [(order, config, fold, persistent)], the short
+    config's over every tile, or, with a long path, the short config's over the short tiles and
+    the long config's, persistent ((n_long, programs)), over the long ones (``split_orders``)."""
+    fold, tile = kernel_tiling(cfg, kernel, group)
+    side = "k" if kernel == "kv" else "q"
+    if long is None:
+        order = plan.order_k(tile) if side == "k" else plan.order_q(tile)
+        return [(order, cfg, fold, None)]
+    fold_l, tile_l = kernel_tiling(long.cfg, kernel, group)
+    order_s, order_l, n_long = plan.split(side, tile, tile_l, long.min_span)
+    persistent = (n_long, persistent_programs(device))
+    return [(order_s, cfg, fold, None), (order_l, long.cfg, fold_l, persistent)]
+
+
 @dataclass
 class Plan:
     """Row bounds of one batch plus its heaviest-first tile orders (memoised per tile size)."""
@@ -300,10 +330,11 @@ def split_orders(
     replaced by the empty tile n_s (their programs do nothing). order_l: (n_l + 1,), the long
     tiles first, heaviest first; n_long (1,) int32: how many (the persistent launch's work)."""
     g = math.lcm(tile_s, tile_l)
-    long_g = tile_spans(lo, hi, g) >= min_span  # (n_g + 1,), the extra entry never long
+    spans = {t: tile_spans(lo, hi, t) for t in {g, tile_s, tile_l}}  # g is often one of them
+    long_g = spans[g] >= min_span  # (n_g + 1,), the extra entry never long
 
     def side(tile):
-        span = tile_spans(lo, hi, tile)
+        span = spans[tile]
         idx = torch.arange(span.numel(), device=lo.device)
         is_long = long_g[idx * tile // g]  # the extra entry maps into [0, n_g]: never long
         return span, is_long
