@@ -128,17 +128,17 @@ def _launchers(s):
                     softmax_scale=s["scale"], softcap=0.0)  # fmt: skip
 
     def fwd(bm, bn, w, st, f):
-        args = (s["q"], s["k"], s["v"], p.lo_q, p.hi_q, p.tiles("q", bm // f))
+        args = (s["q"], s["k"], s["v"], p.lo_q, p.hi_q, p.order_q(bm // f))
         return lambda: attention_forward(*args, **kw(bm, bn, w, st, f))
 
     def dq(bm, bn, w, st, f):
         args = (s["do"], s["q"], s["k"], s["v"], s["o"], s["lse"], s["delta"], s["dq"], p.lo_q,
-                p.hi_q, p.tiles("q", bm // f))  # fmt: skip
+                p.hi_q, p.order_q(bm // f))  # fmt: skip
         return lambda: backward_dq(*args, **kw(bm, bn, w, st, f))
 
     def dkdv(bn, bm, w, st, f):
         args = (s["do"], s["q"], s["k"], s["v"], s["lse"], s["delta"], s["dk"], s["dv"], p.qlo_k,
-                p.qhi_k, p.tiles("k", bn))  # fmt: skip
+                p.qhi_k, p.order_k(bn))  # fmt: skip
         return lambda: backward_dkdv(*args, **kw(bm, bn, w, st, f))
 
     return {"fwd": fwd, "dq": dq, "dkdv": dkdv}
@@ -202,14 +202,14 @@ def tune(all_cases, names, heads, dtype, tune_set="short"):
     return out
 
 
-def _issued_flops(lo, hi, tiles, rows_per_step, step, cols, matmuls, d, programs_per_tile):
-    """FLOPs the kernel actually issues: every step multiplies a (rows x step) block, masked or
-    not, over each tile of ``tiles`` (attention_schedule.tile_list)."""
-    from hf_varlen.ops.attention_schedule import tile_spans
-
-    start, end = tiles[:-1].long().unbind(1)
-    order = torch.argsort(start)  # tile_spans wants starts in row order
-    span = tile_spans(lo, hi, start[order].contiguous(), end[order].contiguous())
+def _issued_flops(lo, hi, tile_rows, rows_per_step, step, cols, matmuls, d, programs_per_tile):
+    """FLOPs the kernel actually issues: every step multiplies a (rows x step) block, masked or not."""
+    n = lo.numel()
+    n_tiles = -(-n // tile_rows)
+    pad = n_tiles * tile_rows - n
+    lo = torch.nn.functional.pad(lo.long(), (0, pad), value=2**31 - 1).view(n_tiles, tile_rows)
+    hi = torch.nn.functional.pad(hi.long(), (0, pad), value=-1).view(n_tiles, tile_rows)
+    span = (hi.amax(1) - lo.amin(1) + 1).clamp_min(0)
     steps = (span + step - 1) // step
     return float(steps.sum()) * rows_per_step * cols * d * 2 * matmuls * programs_per_tile
 
@@ -253,9 +253,9 @@ def breakdown(all_cases, names, heads, dtype):
             ):
                 fresh = cu.clone()  # a new tensor object: a real (uncached) build
                 plan = get_plan(fresh, fresh, total, total, -1, 0)
-                plan.tiles("q", tiles[0])
-                plan.tiles("q", tiles[1])
-                plan.tiles("k", tiles[2])
+                plan.order_q(tiles[0])
+                plan.order_q(tiles[1])
+                plan.order_k(tiles[2])
 
             fwd_c = (cfg.fwd_block_m, cfg.fwd_block_n, cfg.fwd_warps, cfg.fwd_stages, f_fwd)
             dq_c = (cfg.dq_block_m, cfg.dq_block_n, cfg.dq_warps, cfg.dq_stages, f_dq)
@@ -270,17 +270,12 @@ def breakdown(all_cases, names, heads, dtype):
             useful = useful_flops_fwd(lengths, h_q, d)
             bm, bn, bq, bk = cfg.fwd_block_m, cfg.fwd_block_n, cfg.dq_block_m, cfg.dq_block_n
             kn, km = cfg.kv_block_n, cfg.kv_block_m
-            t_fwd, t_dq, t_kv = (
-                p.tiles("q", bm // f_fwd),
-                p.tiles("q", bq // f_dq),
-                p.tiles("k", kn),
-            )
-            issued = {  # (lo, hi, tiles, rows per step, step, cols, matmuls, d, programs/tile)
-                "fwd": _issued_flops(p.lo_q, p.hi_q, t_fwd, bm, bn, bn, 2, d, h_q // f_fwd),
-                "dq": _issued_flops(p.lo_q, p.hi_q, t_dq, bq, bk, bk, 3, d, h_q // f_dq),
+            issued = {  # (lo, hi, tile rows, rows per step, step, cols, matmuls, d, programs/tile)
+                "fwd": _issued_flops(p.lo_q, p.hi_q, bm // f_fwd, bm, bn, bn, 2, d, h_q // f_fwd),
+                "dq": _issued_flops(p.lo_q, p.hi_q, bq // f_dq, bq, bk, bk, 3, d, h_q // f_dq),
                 "dkdv": _issued_flops(
-                    p.qlo_k, p.qhi_k, t_kv, km, km // f_kv, kn, 4, d, h_kv * (s["group"] // f_kv)
-                ),
+                    p.qlo_k, p.qhi_k, kn, km, km // f_kv, kn, 4, d, h_kv * (s["group"] // f_kv)
+                ),  # fmt: skip
             }
             useful_k = {"fwd": useful, "dq": 1.5 * useful, "dkdv": 2.0 * useful}
             q_b, kv_b = total * h_q * d * 2, total * h_kv * d * 2

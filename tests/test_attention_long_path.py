@@ -1,14 +1,15 @@
-"""The long-document path of the triton attention (attention_schedule.LongPath): documents whose
-rows span ``min_span`` or more run in a second, persistent launch with bigger blocks.
+"""The long-document path of the triton attention (attention_schedule.LongPath): tiles whose span
+reaches ``min_span`` run in a second, persistent launch with bigger blocks.
 
 CPU (TRITON_INTERPRET=1): the interpreter's long path (32-row tiles from a span of 64, 3
 persistent programs) beside its 16-row short tiles: the row split is an exact partition, and
-mixed packs match the reference forward and backward, split and fused. GPU (marked): the shipped
-long configs (head dims 64 and 128), bf16, long and short documents in one call.
+mixed packs match the reference forward and backward, split and fused. GPU (marked): a long
+config given through the tuning override, bf16, long and short documents in one call.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -17,63 +18,44 @@ from attn_cases import check_backend_against_reference, cu_from_lengths
 from test_triton_attention import DEVICE, check
 
 from hf_varlen.ops import attention, attention_schedule
-from hf_varlen.ops.attention_schedule import (
-    get_plan,
-    row_bounds,
-    segment_bounds,
-    split_tiles,
-    tile_list,
-    tile_spans,
-)
+from hf_varlen.ops.attention_schedule import get_plan, row_bounds, split_orders, tile_spans
 
 
-def _rows(tiles, n_launched):
-    return [r for start, end in tiles[:n_launched].tolist() for r in range(start, end)]
-
-
-def _doc_of(cu, rows):
-    return [int(torch.searchsorted(cu, torch.tensor(r, dtype=cu.dtype), right=True)) for r in rows]
+def _rows(order, n_launched, tile, n):
+    rows = []
+    for t in order[:n_launched].tolist():
+        rows += [r for r in range(t * tile, (t + 1) * tile) if r < n]
+    return rows
 
 
 @pytest.mark.parametrize("tile_s,tile_l", [(16, 32), (16, 48), (32, 32), (64, 16)])
 @pytest.mark.parametrize("window", [(-1, 0), (-1, -1), (40, 0)])
-def test_split_is_an_exact_partition_by_document(tile_s, tile_l, window):
+def test_split_is_an_exact_partition(tile_s, tile_l, window):
     lengths = [300, 20, 7, 150, 3, 1, 90, 64]
     n = sum(lengths)
     cu = cu_from_lengths(lengths)
     lo_q, hi_q, qlo_k, qhi_k = row_bounds(cu, cu, n, n, *window)
-    seg = segment_bounds(cu, n)
-    for lo, hi, end_aligned in ((lo_q, hi_q, True), (qlo_k, qhi_k, False)):
-        tiles_s, tiles_l, n_long = split_tiles(lo, hi, seg, tile_s, tile_l, 64, end_aligned)
-        assert tiles_s.shape[0] == -(-n // tile_s) + len(lengths) + 2
-        assert tiles_l.shape[0] == -(-n // tile_l) + len(lengths) + 2
-        short_rows = _rows(tiles_s, tiles_s.shape[0] - 1)
-        long_rows = _rows(tiles_l, int(n_long))
-        long_tiles = [tuple(t) for t in tiles_l[: int(n_long)].tolist()]
+    for lo, hi in ((lo_q, hi_q), (qlo_k, qhi_k)):
+        order_s, order_l, n_long = split_orders(lo, hi, tile_s, tile_l, min_span=64)
+        n_s = order_s.numel() - 1
+        assert order_l.numel() == -(-n // tile_l) + 1 and order_s.numel() == -(-n // tile_s) + 1
+        short_rows = _rows(order_s, n_s, tile_s, n)
+        long_rows = _rows(order_l, int(n_long), tile_l, n)
         assert sorted(short_rows + long_rows) == list(range(n))  # every row exactly once
-        assert not set(_doc_of(cu, short_rows)) & set(_doc_of(cu, long_rows))  # whole documents
-        if window == (-1, 0):
-            assert long_rows and short_rows  # this pack has both kinds
-        spans = [int((hi[s:e].max() - lo[s:e].min() + 1).clamp_min(0)) for s, e in long_tiles]
-        assert spans == sorted(spans, reverse=True)  # heaviest first
-        if not long_tiles:  # a window of 40 keeps every span below 64
-            continue
-        by_start = sorted(long_tiles)  # tile_spans takes tiles in row order
-        start, end = (torch.tensor(c, dtype=torch.int64) for c in zip(*by_start))
-        assert tile_spans(lo, hi, start, end).tolist() == [
-            spans[long_tiles.index(t)] for t in by_start
-        ]
+        if window == (-1, 0) and max(tile_s, tile_l) <= 32:
+            assert long_rows and short_rows  # this pack has both kinds at these tiles
+        spans = tile_spans(lo, hi, tile_l)[order_l[: int(n_long)].long()]
+        assert (spans[:-1] >= spans[1:]).all()  # heaviest first
 
 
-def test_no_long_documents_leaves_the_short_tiles_alone():
+def test_no_long_tiles_leaves_the_short_order_alone():
     lengths = [20, 7, 30, 3]
     n = sum(lengths)
     cu = cu_from_lengths(lengths)
     lo, hi, _, _ = row_bounds(cu, cu, n, n, -1, 0)
-    seg = segment_bounds(cu, n)
-    tiles_s, _, n_long = split_tiles(lo, hi, seg, 16, 32, 64, True)
+    order_s, _, n_long = split_orders(lo, hi, 16, 32, min_span=64)
     assert int(n_long) == 0
-    assert torch.equal(tiles_s, tile_list(lo, hi, seg, 16, True)[0])
+    assert torch.equal(order_s, attention_schedule.heaviest_first(lo, hi, 16))
 
 
 @pytest.mark.parametrize(
@@ -121,8 +103,28 @@ def test_shipped_long_path_on_cuda():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("lengths", [[4096, 100, 37, 2000, 1], [8192], [300] * 7 + [5]])
-@pytest.mark.parametrize("h_q,h_kv,d", [(32, 8, 128), (16, 16, 128), (16, 16, 64), (8, 2, 64)])
-def test_gpu_long_path_bf16_matches_reference(lengths, h_q, h_kv, d):
-    """The shipped long path (head dims 64 and 128), long and short documents in one call."""
-    assert attention_schedule.pick_long_path(d, torch.bfloat16, torch.device("cuda")) is not None
-    check_backend_against_reference("triton", lengths, h_q, h_kv, d, torch.bfloat16, "cuda")
+@pytest.mark.parametrize("h_q,h_kv", [(16, 16), (8, 2)])
+def test_gpu_long_path_head_dim_64_bf16_matches_reference(lengths, h_q, h_kv):
+    """The shipped head-dim-64 long path, long and short documents in one call."""
+    assert attention_schedule.pick_long_path(64, torch.bfloat16, torch.device("cuda")) is not None
+    check_backend_against_reference("triton", lengths, h_q, h_kv, 64, torch.bfloat16, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lengths", [[4096, 100, 37, 2000, 1], [8192], [300] * 7 + [5]])
+@pytest.mark.parametrize("h_q,h_kv", [(32, 8), (16, 16)])
+def test_gpu_long_path_bf16_matches_reference(lengths, h_q, h_kv, tmp_path, monkeypatch):
+    """A long config through the tuning override (the shipped one, where there is one, is what
+    ``pick_long_path`` returns without it; this pins the path on whatever ships)."""
+    long = attention_schedule.pick_long_path(128, torch.bfloat16, torch.device("cuda"))
+    cfg = (
+        list(dataclasses.astuple(long.cfg))[:15]
+        if long
+        else [128, 64, 8, 3, 16, 128, 64, 8, 2, 32, 128, 64, 8, 2, 8]
+    )
+    path = tmp_path / "long.json"
+    path.write_text(json.dumps({"long128": cfg, "long_min_span": 1024}))
+    monkeypatch.setenv("HF_VARLEN_TRITON_ATTN_CONFIG", str(path))
+    from test_triton_attention import test_gpu_bf16_matches_reference as bf16_case
+
+    bf16_case(lengths, h_q, h_kv)

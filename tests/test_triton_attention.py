@@ -12,13 +12,7 @@ import torch
 from attn_cases import check_backend_against_reference, cu_from_lengths, make_qkv
 
 from hf_varlen.ops.attention import triton_varlen_attention
-from hf_varlen.ops.attention_schedule import (
-    EMPTY_LO,
-    get_plan,
-    row_bounds,
-    segment_bounds,
-    tile_list,
-)
+from hf_varlen.ops.attention_schedule import EMPTY_LO, get_plan, heaviest_first, row_bounds
 from hf_varlen.reference.attention import attention_reference, visibility_mask
 from hf_varlen.testing import assert_numerics
 
@@ -85,38 +79,23 @@ def test_row_bounds_match_visibility_mask(causal, window):
     assert (lo[empty] == EMPTY_LO).all() and (hi[empty] == -1).all()
 
 
-@pytest.mark.parametrize("end_aligned", [True, False])
-def test_tiles_hold_one_document_heaviest_first_and_plan_cache(end_aligned):
+def test_heaviest_first_and_plan_cache():
     lengths = [3, 200, 5, 40]
-    n = sum(lengths)
     cu = cu_from_lengths(lengths)
-    lo, hi, qlo, qhi = row_bounds(cu, cu, n, n, -1, 0)
-    if not end_aligned:
-        lo, hi = qlo, qhi
-    tiles, n_real = tile_list(lo, hi, segment_bounds(cu, n), 16, end_aligned)
-    # ceil(248 / 16) + 4 documents + 1 slots, then the never-launched empty entry
-    assert tiles.shape == (16 + 4 + 1 + 1, 2) and tiles[-1].tolist() == [n, n]
-    real = tiles[: int(n_real)].tolist()
-    assert int(n_real) == 1 + 13 + 1 + 3  # ceil(L / 16) per document
-    assert sorted(r for s, e in real for r in range(s, e)) == list(range(n))
-    assert all(s == e == n for s, e in tiles[int(n_real) :].tolist())
-    starts = [0] + cu.tolist()
-    for s, e in real:  # inside one document, at most 16 rows
-        d = max(i for i, c in enumerate(starts) if c <= s)
-        assert s < e <= starts[d + 1] and e - s <= 16
-    partial = [(s, e) for s, e in real if e - s < 16]
-    # the partial tile is a document's first query rows / last key rows
-    bounds = cu.tolist()
-    assert all((s in bounds) if end_aligned else (e in bounds) for s, e in partial)
-    span = [int(hi[s:e].max() - lo[s:e].min() + 1) for s, e in real]
-    assert span == sorted(span, reverse=True)
-    if end_aligned:
-        assert real[0] == [187, 203]  # the 200-token document's last 16 queries see the most
-    plan = get_plan(cu, cu, n, n, -1, 0)
-    assert get_plan(cu, cu, n, n, -1, 0) is plan  # same tensor object: reused by every layer
-    assert get_plan(cu.clone(), cu, n, n, -1, 0) is not plan
-    assert plan.tiles("q", 16) is plan.tiles("q", 16)
-    assert torch.equal(plan.tiles("q" if end_aligned else "k", 16), tiles)
+    lo, hi, _, _ = row_bounds(cu, cu, 248, 248, -1, 0)
+    order = heaviest_first(lo, hi, 16)
+    assert order[-1] == 16  # the never-launched extra entry (see heaviest_first)
+    order = order[:-1]
+    assert sorted(order.tolist()) == list(range(16))  # a permutation of all ceil(248/16) tiles
+    span = [
+        int(hi[t * 16 : t * 16 + 16].max() - lo[t * 16 : t * 16 + 16].min() + 1) for t in range(16)
+    ]
+    assert [span[t] for t in order.tolist()] == sorted(span, reverse=True)
+    assert order[0] == 12  # the last tile of the 200-token document holds the most work
+    plan = get_plan(cu, cu, 248, 248, -1, 0)
+    assert get_plan(cu, cu, 248, 248, -1, 0) is plan  # same tensor object: reused by every layer
+    assert get_plan(cu.clone(), cu, 248, 248, -1, 0) is not plan
+    assert plan.order_q(16) is plan.order_q(16)
 
 
 # ---- numerics against the reference (interpreter on CPU) ----------------------------------------

@@ -118,11 +118,11 @@ def forward_launch(q, k, v, plan, softmax_scale, softcap, traceable=False):
     cfg = pick_config(q.shape[2], q.dtype, q.device)
     long = pick_long_path(q.shape[2], q.dtype, q.device)
     out = None
-    for tiles, c, fold, persistent in launch_passes(
+    for order, c, fold, persistent in launch_passes(
         plan, "fwd", cfg, long, q.shape[1] // k.shape[1], q.device
     ):
         out = attention_forward(
-            q, k, v, plan.lo_q, plan.hi_q, tiles, softmax_scale=softmax_scale, softcap=softcap,
+            q, k, v, plan.lo_q, plan.hi_q, order, softmax_scale=softmax_scale, softcap=softcap,
             fold=fold, block_m=c.fwd_block_m, block_n=c.fwd_block_n, num_warps=c.fwd_warps,
             num_stages=c.fwd_stages, traceable=traceable, out=out, persistent=persistent,
         )  # fmt: skip

@@ -19,7 +19,7 @@ step's dS K into an fp32 dQ buffer (FA2's scheme): the split path computes QK^T 
 (7 matmuls per visible block), the fused one once (5), which is where long documents spend the
 backward; the atomics make the summation order of dQ vary between runs.
 
-Both are launched over heaviest-first tile lists (attention_schedule.tile_list).
+Both are launched over heaviest-first tile orders (attention_schedule.py).
 Shapes: q/do/o/dq (T_q, H_q, D), dq_acc (T_q, H_q, D) fp32, k/v/dk/dv (T_k, H_kv, D),
 lse/delta (H_q, T_q) fp32, lo/hi (T_q,) and qlo/qhi (T_k,) int32.
 """
@@ -81,7 +81,7 @@ def _dq_step(
 
 @triton.jit
 def _dq_tile(
-    work, Q, K, V, O, DO, LSE, DELTA, DQ, LO, HI, TILES,
+    work, Q, K, V, O, DO, LSE, DELTA, DQ, LO, HI, ORDER,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_dot, stride_doh, stride_dqt, stride_dqh,
     T_q, N_HEAD_BLOCKS, scale_a, scale_b, sm_scale,
@@ -89,19 +89,17 @@ def _dq_tile(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
     LONG_INDEXING: tl.constexpr,
 ):  # fmt: skip
-    """One work item: query tile TILES[work // N_HEAD_BLOCKS] x head block work % N_HEAD_BLOCKS."""
+    """One work item: query tile ORDER[work // N_HEAD_BLOCKS] x head block work % N_HEAD_BLOCKS."""
     EMPTY: tl.constexpr = 2147483647
     TILE: tl.constexpr = BLOCK_M // FOLD
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
-    slot = work // N_HEAD_BLOCKS
-    start = tl.load(TILES + 2 * slot)
-    end = tl.load(TILES + 2 * slot + 1)
+    tile = tl.load(ORDER + work // N_HEAD_BLOCKS)
     head_block = work % N_HEAD_BLOCKS
     r = tl.arange(0, BLOCK_M)
-    tok = start + r // FOLD
+    tok = tile * TILE + r // FOLD
     head = head_block * FOLD + r % FOLD
     kv_head = (head_block * FOLD) // GROUP
-    row_ok = (r < TILE * FOLD) & (tok < end)
+    row_ok = (r < TILE * FOLD) & (tok < T_q)
     if LONG_INDEXING:
         tok = tok.to(tl.int64)
         head = head.to(tl.int64)
@@ -166,7 +164,7 @@ def _dq_tile(
 
 @triton.jit(do_not_specialize=["T_q", "T_k"])
 def _attn_bwd_dq_kernel(
-    Q, K, V, O, DO, LSE, DELTA, DQ, LO, HI, TILES, N_WORK,
+    Q, K, V, O, DO, LSE, DELTA, DQ, LO, HI, ORDER, N_WORK,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_dot, stride_doh, stride_dqt, stride_dqh,
     T_q, T_k, N_HEAD_BLOCKS, scale_a, scale_b, sm_scale,
@@ -179,7 +177,7 @@ def _attn_bwd_dq_kernel(
     scale_a = tl.cast(scale_a, tl.float32)
     scale_b = tl.cast(scale_b, tl.float32)
     sm_scale = tl.cast(sm_scale, tl.float32)
-    args = (Q, K, V, O, DO, LSE, DELTA, DQ, LO, HI, TILES, stride_qt, stride_qh, stride_kt,
+    args = (Q, K, V, O, DO, LSE, DELTA, DQ, LO, HI, ORDER, stride_qt, stride_qh, stride_kt,
             stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_dot, stride_doh,
             stride_dqt, stride_dqh, T_q, N_HEAD_BLOCKS, scale_a, scale_b, sm_scale)  # fmt: skip
     pid = tl.program_id(0)
@@ -240,7 +238,7 @@ def _dkdv_step(
 
 @triton.jit
 def _dkdv_tile(
-    work, Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, QLO, QHI, TILES,
+    work, Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, QLO, QHI, ORDER,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_aqt, stride_aqh,
     T_q, T_k, H_KV, scale_a, scale_b, sm_scale,
@@ -248,17 +246,15 @@ def _dkdv_tile(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
     LONG_INDEXING: tl.constexpr, ATOMIC_DQ: tl.constexpr,
 ):  # fmt: skip
-    """One work item: key tile TILES[work // H_KV] x KV head work % H_KV."""
+    """One work item: key tile ORDER[work // H_KV] x KV head work % H_KV."""
     EMPTY: tl.constexpr = 2147483647
     TILE: tl.constexpr = BLOCK_M // FOLD  # query tokens per inner step
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     PAD_ROWS: tl.constexpr = TILE * FOLD != BLOCK_M  # rows past TILE * FOLD are padding
-    slot = work // H_KV
-    start = tl.load(TILES + 2 * slot)
-    end = tl.load(TILES + 2 * slot + 1)
+    tile = tl.load(ORDER + work // H_KV)
     kv_head = work % H_KV
-    cols = start + tl.arange(0, BLOCK_N)
-    col_ok = cols < end
+    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < T_k
     if LONG_INDEXING:
         cols = cols.to(tl.int64)
         kv_head = kv_head.to(tl.int64)
@@ -320,7 +316,7 @@ def _dkdv_tile(
 
 @triton.jit(do_not_specialize=["T_q", "T_k"])
 def _attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, QLO, QHI, TILES, N_WORK,
+    Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, QLO, QHI, ORDER, N_WORK,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_aqt, stride_aqh,
     T_q, T_k, H_KV, scale_a, scale_b, sm_scale,
@@ -333,7 +329,7 @@ def _attn_bwd_dkdv_kernel(
     scale_a = tl.cast(scale_a, tl.float32)
     scale_b = tl.cast(scale_b, tl.float32)
     sm_scale = tl.cast(sm_scale, tl.float32)
-    args = (Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, QLO, QHI, TILES, stride_qt, stride_qh,
+    args = (Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, QLO, QHI, ORDER, stride_qt, stride_qh,
             stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_dkt,
             stride_dkh, stride_dvt, stride_dvh, stride_aqt, stride_aqh, T_q, T_k, H_KV, scale_a,
             scale_b, sm_scale)  # fmt: skip
@@ -386,16 +382,16 @@ def _common(q, k, v, *more, softcap: float) -> dict:
     )  # fmt: skip
 
 
-def _work_and_grid(tiles, per_tile: int, persistent):
+def _work_and_grid(order, per_tile: int, persistent):
     """(N_WORK argument, grid): one program per (tile, head block) of ``order`` but its never-
     launched last entry, or the persistent launch's (tile count, fixed program count)."""
     if persistent is None:
-        return tiles, ((tiles.shape[0] - 1) * per_tile,)
+        return order, ((order.numel() - 1) * per_tile,)
     return persistent[0], (persistent[1],)
 
 
 def backward_dq(
-    do, q, k, v, o, lse, delta, dq, lo_q, hi_q, tiles, *, softmax_scale: float, softcap: float,
+    do, q, k, v, o, lse, delta, dq, lo_q, hi_q, order, *, softmax_scale: float, softcap: float,
     fold: int, block_m: int, block_n: int, num_warps: int, num_stages: int, traceable: bool = False,
     persistent: tuple[torch.Tensor, int] | None = None,
 ) -> None:  # fmt: skip
@@ -403,9 +399,9 @@ def backward_dq(
     tiles). ``persistent``: see attention_fwd.attention_forward."""
     scale_a, scale_b = score_constants(softmax_scale, softcap)
     n_head_blocks = q.shape[1] // fold
-    n_work, grid = _work_and_grid(tiles, n_head_blocks, persistent)
+    n_work, grid = _work_and_grid(order, n_head_blocks, persistent)
     launcher(_attn_bwd_dq_kernel, traceable)[grid](
-        q, k, v, o, do, lse, delta, dq, lo_q, hi_q, tiles, n_work,
+        q, k, v, o, do, lse, delta, dq, lo_q, hi_q, order, n_work,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         o.stride(0), o.stride(1), do.stride(0), do.stride(1), dq.stride(0), dq.stride(1),
         q.shape[0], k.shape[0], n_head_blocks, scale_a, scale_b, softmax_scale,
@@ -426,7 +422,7 @@ def backward_delta(o, do, delta, *, traceable: bool = False) -> None:
 
 
 def backward_dkdv(
-    do, q, k, v, lse, delta, dk, dv, qlo_k, qhi_k, tiles, *, softmax_scale: float, softcap: float,
+    do, q, k, v, lse, delta, dk, dv, qlo_k, qhi_k, order, *, softmax_scale: float, softcap: float,
     fold: int, block_m: int, block_n: int, num_warps: int, num_stages: int, traceable: bool = False,
     dq_acc: torch.Tensor | None = None, persistent: tuple[torch.Tensor, int] | None = None,
 ) -> None:  # fmt: skip
@@ -436,9 +432,9 @@ def backward_dkdv(
     scale_a, scale_b = score_constants(softmax_scale, softcap)
     h_kv = k.shape[1]
     acc = dk if dq_acc is None else dq_acc  # a placeholder pointer when there is no fused dQ
-    n_work, grid = _work_and_grid(tiles, h_kv, persistent)
+    n_work, grid = _work_and_grid(order, h_kv, persistent)
     launcher(_attn_bwd_dkdv_kernel, traceable)[grid](
-        q, k, v, do, lse, delta, dk, dv, acc, qlo_k, qhi_k, tiles, n_work,
+        q, k, v, do, lse, delta, dk, dv, acc, qlo_k, qhi_k, order, n_work,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
         acc.stride(0), acc.stride(1), q.shape[0], k.shape[0], h_kv, scale_a, scale_b,
@@ -464,7 +460,7 @@ def attention_backward(
     traceable: bool = False,
     long=None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dQ (+delta) then dK/dV over the plan's heaviest-first tile lists; returns dq, dk, dv.
+    """dQ (+delta) then dK/dV over the plan's heaviest-first orders; returns dq, dk, dv.
 
     Split (default): a dQ kernel and a dK/dV kernel, atomic-free (each output row is written by
     one program), so bitwise repeatable. Fused (``cfg.bwd_fused`` and not ``deterministic``): the
@@ -490,16 +486,16 @@ def attention_backward(
     else:
         dq_acc = None
         dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-        for tiles, c, fold, persistent in launch_passes(plan, "dq", cfg, long, group, q.device):
+        for order, c, fold, persistent in launch_passes(plan, "dq", cfg, long, group, q.device):
             backward_dq(
-                do, q, k, v, o, lse, delta, dq, plan.lo_q, plan.hi_q, tiles, fold=fold,
+                do, q, k, v, o, lse, delta, dq, plan.lo_q, plan.hi_q, order, fold=fold,
                 block_m=c.dq_block_m, block_n=c.dq_block_n, num_warps=c.dq_warps,
                 num_stages=c.dq_stages, persistent=persistent, **kw,
             )  # fmt: skip
     kv_passes = launch_passes(plan, "kv", cfg, long, group, q.device)
-    for tiles, c, fold, persistent in kv_passes:  # after every dQ launch: they write delta
+    for order, c, fold, persistent in kv_passes:  # after every dQ launch: they write delta
         backward_dkdv(
-            do, q, k, v, lse, delta, dk, dv, plan.qlo_k, plan.qhi_k, tiles, fold=fold,
+            do, q, k, v, lse, delta, dk, dv, plan.qlo_k, plan.qhi_k, order, fold=fold,
             block_m=c.kv_block_m, block_n=c.kv_block_n, num_warps=c.kv_warps,
             num_stages=c.kv_stages, dq_acc=dq_acc, persistent=persistent, **kw,
         )  # fmt: skip

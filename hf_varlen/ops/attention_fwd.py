@@ -1,6 +1,6 @@
 """Forward kernel of the Triton varlen attention (online softmax over a compact tile schedule).
 
-One program = one tile: up to ``TILE = BLOCK_M // FOLD`` consecutive query tokens of one document x
+One program = one tile: ``TILE = BLOCK_M // FOLD`` consecutive query tokens of the packed stream x
 ``FOLD`` query heads that share one KV head (GQA folding: K/V are loaded once for all of them). The
 tile walks the keys [min lo, max hi] of its rows (attention_schedule.py) in steps of BLOCK_N:
 
@@ -13,9 +13,8 @@ Key blocks that every row of the tile sees entirely skip the mask. Rows that see
 and lse = +inf (so the backward's exp(s - lse) is 0 there).
 
 Shapes: q (T_q, H_q, D), k/v (T_k, H_kv, D), o (T_q, H_q, D), lse (H_q, T_q) fp32,
-lo/hi (T_q,) int32, tiles (n_slots + 1, 2) int32 [start, end) rows (heaviest first, empty tiles
-last, then one never-launched entry: attention_schedule.tile_list);
-the grid is n_slots * (H_q / FOLD) programs.
+lo/hi (T_q,) int32, order (n_tiles + 1,) int32 (heaviest first, then one never-launched entry);
+the grid is n_tiles * (H_q / FOLD) programs.
 """
 
 from __future__ import annotations
@@ -108,27 +107,24 @@ def _fwd_step(
 
 @triton.jit
 def _fwd_tile(
-    work, Q, K, V, O, LSE, LO, HI, TILES,
+    work, Q, K, V, O, LSE, LO, HI, ORDER,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     T_q, N_HEAD_BLOCKS, scale_a, scale_b,
     GROUP: tl.constexpr, FOLD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
     LONG_INDEXING: tl.constexpr,
 ):  # fmt: skip
-    """One work item: tile TILES[work // N_HEAD_BLOCKS] (its [start, end) query rows) x head block
-    work % N_HEAD_BLOCKS."""
+    """One work item: tile ORDER[work // N_HEAD_BLOCKS] x head block work % N_HEAD_BLOCKS."""
     EMPTY: tl.constexpr = 2147483647
     TILE: tl.constexpr = BLOCK_M // FOLD
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
-    slot = work // N_HEAD_BLOCKS
-    start = tl.load(TILES + 2 * slot)
-    end = tl.load(TILES + 2 * slot + 1)
+    tile = tl.load(ORDER + work // N_HEAD_BLOCKS)
     head_block = work % N_HEAD_BLOCKS
     r = tl.arange(0, BLOCK_M)
-    tok = start + r // FOLD
+    tok = tile * TILE + r // FOLD
     head = head_block * FOLD + r % FOLD
     kv_head = (head_block * FOLD) // GROUP
-    row_ok = (r < TILE * FOLD) & (tok < end)
+    row_ok = (r < TILE * FOLD) & (tok < T_q)
     if LONG_INDEXING:
         tok = tok.to(tl.int64)
         head = head.to(tl.int64)
@@ -186,7 +182,7 @@ def _fwd_tile(
 
 @triton.jit(do_not_specialize=["T_q", "T_k"])
 def _attn_fwd_kernel(
-    Q, K, V, O, LSE, LO, HI, TILES, N_WORK,
+    Q, K, V, O, LSE, LO, HI, ORDER, N_WORK,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     T_q, T_k, N_HEAD_BLOCKS, scale_a, scale_b,
     GROUP: tl.constexpr, FOLD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -194,12 +190,12 @@ def _attn_fwd_kernel(
     LONG_INDEXING: tl.constexpr, PERSISTENT: tl.constexpr,
 ):  # fmt: skip
     """One program per work item, or (PERSISTENT) a fixed grid whose programs take work items
-    pid, pid + grid, ... of the first N_WORK[0] tiles of TILES (x head blocks)."""
+    pid, pid + grid, ... of the first N_WORK[0] tiles of ORDER (x head blocks)."""
     # Inductor types Python-float arguments as fp64 (eager triton: fp32); fp64 scores would change
     # the type of the loop-carried m_i and run fp64 math, so the scalars are fp32 from here on.
     scale_a = tl.cast(scale_a, tl.float32)
     scale_b = tl.cast(scale_b, tl.float32)
-    args = (Q, K, V, O, LSE, LO, HI, TILES, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
+    args = (Q, K, V, O, LSE, LO, HI, ORDER, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
             stride_vh, stride_ot, stride_oh, T_q, N_HEAD_BLOCKS, scale_a, scale_b)  # fmt: skip
     pid = tl.program_id(0)
     if PERSISTENT:
@@ -247,7 +243,7 @@ def attention_forward(
     v: torch.Tensor,
     lo_q: torch.Tensor,
     hi_q: torch.Tensor,
-    tiles: torch.Tensor,
+    order: torch.Tensor,
     *,
     softmax_scale: float,
     softcap: float,
@@ -266,7 +262,7 @@ def attention_forward(
     torch.compile sees the kernel); eager calls launch the kernel directly (no HOP dispatch).
     ``out``: (o, lse) to write into (the rows of this launch's tiles) instead of new tensors.
     ``persistent``: (n_tiles (1,) int32 on the device, programs): a fixed grid of ``programs``
-    that loops over the first n_tiles entries of ``tiles`` (the long-document launch)."""
+    that loops over the first n_tiles entries of ``order`` (the long-document launch)."""
     t_q, h_q, dim = q.shape
     t_k, h_kv = k.shape[0], k.shape[1]
     if out is None:
@@ -279,11 +275,11 @@ def attention_forward(
     scale_a, scale_b = score_constants(softmax_scale, softcap)
     n_head_blocks = h_q // fold
     if persistent is None:
-        n_work, grid = tiles, ((tiles.shape[0] - 1) * n_head_blocks,)  # last entry: never launched
+        n_work, grid = order, ((order.numel() - 1) * n_head_blocks,)  # last entry: never launched
     else:
         n_work, grid = persistent[0], (persistent[1],)
     launcher(_attn_fwd_kernel, traceable)[grid](
-        q, k, v, o, lse, lo_q, hi_q, tiles, n_work,
+        q, k, v, o, lse, lo_q, hi_q, order, n_work,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         o.stride(0), o.stride(1),
         t_q, t_k, n_head_blocks, scale_a, scale_b,

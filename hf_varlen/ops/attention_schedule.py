@@ -1,9 +1,9 @@
-"""Tile schedule of the Triton varlen attention: per-row visibility bounds, tile lists, configs.
+"""Tile schedule of the Triton varlen attention: per-row visibility bounds, compact tile order, configs.
 
-The kernels see the packed token stream cut into tiles of consecutive rows (up to ``TILE_M``
-query tokens, or ``BLOCK_N`` key tokens in the dK/dV pass) and, for every row, the contiguous
-range of rows on the other side that it may see. Because documents are contiguous and visibility
-never crosses a document, "same document AND causal AND window" is one interval:
+The kernels never look at documents. They see the packed token stream cut into fixed tiles
+(``TILE_M`` query tokens, or ``BLOCK_N`` key tokens in the dK/dV pass) and, for every row, the
+contiguous range of rows on the other side that it may see. Because documents are contiguous and
+visibility never crosses a document, "same document AND causal AND window" is one interval:
 
     query t (document d, lengths L_q, L_k, shift = L_k - L_q, diag = t - q_end + k_end):
         lo_q[t] = max(k_start, diag - left)        hi_q[t] = min(k_end - 1, diag + right)
@@ -12,38 +12,33 @@ never crosses a document, "same document AND causal AND window" is one interval:
         qhi_k[s] = min(q_end - 1, s - k_end + q_end + left)
 
 (left/right = -1 drop that term; causal means right = 0). The offsets are first clamped into
-[0, T] and made non-decreasing on the device (no sync, ``common.clamp_offsets``), so even
-malformed cu_seqlens (negative, past T, decreasing) give bounds and tiles inside the packed
-tensors: the kernels never read or write out of bounds; they compute garbage-in-garbage-out but
-finite values (validation is the host's job where offsets are there). A tile's work is the span
-[min lo, max hi] of its rows; the mask inside it is ``lo <= col <= hi`` per row.
+[0, T] and made non-decreasing on the device (no sync, ``common.clamp_offsets``), so even malformed cu_seqlens (negative, past T, decreasing) give
+bounds inside the packed tensors: the kernels never read or write out of bounds; they compute
+garbage-in-garbage-out but finite values (validation is the host's job where offsets are there). A tile's work is the span
+[min lo, max hi] of its rows, so several short documents share one tile and the block-diagonal mask
+inside it is just ``lo <= col <= hi`` per row. Tiles cover only real tokens: the grid is
+ceil(T / TILE) x heads, known on the host from T alone (no device->host sync), with no empty
+programs beyond the last partial tile.
 
-Tiles never cross a document boundary (``tile_list``): a tile across one would multiply each
-document's rows by the other's keys. A document's partial tile sits where it costs least (its
-first query rows, its last keys). The tile count is bounded by ceil(T / TILE) + n_docs + 1, so
-grids are known on the host from T and the document count (shapes), never from a device read.
-
-Heaviest-first: each tile list is sorted by span, descending, so the long documents' heavy tiles
-(last causal query tiles; first key tiles) start first and the many light tiles fill in behind
-them (LPT). Long-document path (``LongPath``): documents whose rows span >= ``min_span`` are
-tiled with bigger blocks for a second, persistent launch (one program per SM looping over them),
-the others with the short config (``split_tiles``), so one call mixes both.
-
-Bounds and tile lists are built with torch ops on the device once per batch and cached on the
-cu_seqlens tensor objects, so every layer of a forward (and the backward) reuses them. Everything
-here is traceable (no ``.item()``, no data-dependent branch; the only branch is on the number of
-documents, a shape): under torch.compile nothing is cached and the compiler sees the torch ops.
+Heaviest-first: the launch order is a permutation of the tiles sorted by their span, descending, so
+the long documents' heavy tiles (last causal query tiles; first key tiles) start first and the many
+light tiles fill in behind them (LPT). Bounds and orders are built with a few torch ops on the device
+once per batch and cached on the cu_seqlens tensor objects, so every layer of a forward (and the
+backward) reuses them. Everything here is traceable (no ``.item()``, no data-dependent branch; the
+only branch is on the number of documents, a shape): under torch.compile nothing is cached and the
+compiler sees the torch ops.
 
 Shapes: cu_seqlens_* (n_docs + 1,) int32; lo_q/hi_q (T_q,) int32; qlo_k/qhi_k (T_k,) int32;
-segment bounds (n_docs + 3,) int64; tiles (n_slots + 1, 2) int32 [start, end) rows, the last
-entry an empty tile that is never launched. Rows outside every document get the empty interval
-(EMPTY_LO, -1).
+order_q(tile) (ceil(T_q / tile) + 1,) int32; order_k(tile) (ceil(T_k / tile) + 1,) int32
+(the last entry is an empty tile that is never launched; see ``heaviest_first``).
+Rows outside every document (past cu[-1]) get the empty interval (EMPTY_LO, -1).
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -99,7 +94,7 @@ class LongPath:
     """The long-document path: tiles whose span (keys a query tile sees, or query rows that see a
     key tile) is >= ``min_span`` run with ``cfg``'s bigger blocks, in a second, persistent launch
     (a fixed grid of one program per SM looping over those tiles, heaviest first); the others run
-    with the short config as before. One call can mix both (``split_tiles``)."""
+    with the short config as before. One call can mix both (``split_orders``)."""
 
     cfg: KernelConfig
     min_span: int
@@ -206,51 +201,47 @@ def kernel_tiling(cfg: KernelConfig, kernel: str, group: int) -> tuple[int, int]
 
 def launch_passes(plan, kernel: str, cfg: KernelConfig, long: LongPath | None, group: int,
                   device: torch.device) -> list:  # fmt: skip
-    """The launches of one kernel over a plan: [(tiles, config, fold, persistent)], the short
-    config's over every document, or, with a long path, the short config's over the short
-    documents and the long config's, persistent ((n_long, programs)), over the long ones
-    (``split_tiles``)."""
+    """The launches of one kernel over a plan: [(order, config, fold, persistent)], the short
+    config's over every tile, or, with a long path, the short config's over the short tiles and
+    the long config's, persistent ((n_long, programs)), over the long ones (``split_orders``)."""
     fold, tile = kernel_tiling(cfg, kernel, group)
     side = "k" if kernel == "kv" else "q"
     if long is None:
-        return [(plan.tiles(side, tile), cfg, fold, None)]
+        order = plan.order_k(tile) if side == "k" else plan.order_q(tile)
+        return [(order, cfg, fold, None)]
     fold_l, tile_l = kernel_tiling(long.cfg, kernel, group)
-    tiles_s, tiles_l, n_long = plan.split(side, tile, tile_l, long.min_span)
+    order_s, order_l, n_long = plan.split(side, tile, tile_l, long.min_span)
     persistent = (n_long, persistent_programs(device))
-    return [(tiles_s, cfg, fold, None), (tiles_l, long.cfg, fold_l, persistent)]
+    return [(order_s, cfg, fold, None), (order_l, long.cfg, fold_l, persistent)]
 
 
 @dataclass
 class Plan:
-    """Row bounds and segment bounds of one batch plus its tile lists (memoised per tile size)."""
+    """Row bounds of one batch plus its heaviest-first tile orders (memoised per tile size)."""
 
     lo_q: torch.Tensor
     hi_q: torch.Tensor
     qlo_k: torch.Tensor
     qhi_k: torch.Tensor
-    seg_q: torch.Tensor  # segment_bounds of the query side
-    seg_k: torch.Tensor
-    _tiles: dict = field(default_factory=dict)
+    _orders: dict = field(default_factory=dict)
 
-    def _side(self, side: str):
-        if side == "q":  # query tiles end at their document's end: see tile_list
-            return self.lo_q, self.hi_q, self.seg_q, True
-        return self.qlo_k, self.qhi_k, self.seg_k, False
+    def order_q(self, tile: int) -> torch.Tensor:
+        if ("q", tile) not in self._orders:
+            self._orders["q", tile] = heaviest_first(self.lo_q, self.hi_q, tile)
+        return self._orders["q", tile]
 
-    def tiles(self, side: str, tile: int) -> torch.Tensor:
-        """``tile_list`` of the query rows (side "q") or the key rows ("k"), memoised."""
-        if (side, tile) not in self._tiles:
-            lo, hi, seg, end_aligned = self._side(side)
-            self._tiles[side, tile] = tile_list(lo, hi, seg, tile, end_aligned)[0]
-        return self._tiles[side, tile]
+    def order_k(self, tile: int) -> torch.Tensor:
+        if ("k", tile) not in self._orders:
+            self._orders["k", tile] = heaviest_first(self.qlo_k, self.qhi_k, tile)
+        return self._orders["k", tile]
 
     def split(self, side: str, tile_s: int, tile_l: int, min_span: int):
-        """``split_tiles`` of one side, memoised."""
+        """``split_orders`` over the query rows (side "q") or the key rows ("k"), memoised."""
         key = ("split", side, tile_s, tile_l, min_span)
-        if key not in self._tiles:
-            lo, hi, seg, end_aligned = self._side(side)
-            self._tiles[key] = split_tiles(lo, hi, seg, tile_s, tile_l, min_span, end_aligned)
-        return self._tiles[key]
+        if key not in self._orders:
+            lo, hi = (self.lo_q, self.hi_q) if side == "q" else (self.qlo_k, self.qhi_k)
+            self._orders[key] = split_orders(lo, hi, tile_s, tile_l, min_span)
+        return self._orders[key]
 
 
 def _doc_of(cu: torch.Tensor, n_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -301,104 +292,63 @@ def row_bounds(
     return lo_q, hi_q, qlo_k, qhi_k
 
 
-def segment_bounds(cu: torch.Tensor, n_rows: int) -> torch.Tensor:
-    """(n_docs + 3,) int64: 0, the clamped offsets, n_rows. Segment i is rows [b[i], b[i + 1]):
-    the rows before the first document, each document, the rows after the last one."""
-    zero = torch.zeros(1, dtype=torch.int64, device=cu.device)
-    return torch.cat([zero, clamp_offsets(cu, n_rows), zero + n_rows])
+def heaviest_first(lo: torch.Tensor, hi: torch.Tensor, tile: int) -> torch.Tensor:
+    """Tile indices (tiles of ``tile`` consecutive rows) sorted by span, largest first, int32,
+    followed by one extra entry: (n_tiles + 1,), where the last entry is n_tiles, an empty tile
+    that is never launched (grids count ``order.numel() - 1`` tiles).
+
+    Why the extra entry: under torch.compile n_tiles is symbolic, and any op over an n_tiles-sized
+    dimension (a (n_tiles, tile) view, a slice, an elementwise op) specialises n_tiles == 1 against
+    n_tiles >= 2 — a recompile whenever a pack crosses one tile, once per tile size of the three
+    kernels. n_tiles + 1 >= 2 is known from T >= 2, so it adds no guard."""
+    # Stable: ties keep index order, so the empty extra tile (span 0, the highest index) is last.
+    return torch.argsort(tile_spans(lo, hi, tile), descending=True, stable=True).to(torch.int32)
 
 
-def tile_list(
-    lo: torch.Tensor,
-    hi: torch.Tensor,
-    bounds: torch.Tensor,
-    tile: int,
-    end_aligned: bool,
-    take: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rows cut into tiles of <= ``tile`` rows that never cross a segment boundary, heaviest
-    first: (tiles (n_slots + 1, 2) int32 [start, end) rows, n_real (1,) int32).
-
-    Tiles that hold one document waste no matrix work on rows of another (a row's keys are its
-    document's, so a tile across a boundary multiplies each document's rows by the other's
-    keys). The partial tile of a document goes where it costs least: at the document's start
-    for query tiles (``end_aligned``: causal rows there see few keys), at its end for key tiles
-    (keys there are seen by few queries). ``take`` ((n_seg,) bool): tile only these segments.
-
-    n_slots = ceil(T / tile) + n_seg - 1 bounds the tile count from T and the document count
-    alone (each segment adds at most one partial tile), so grids need no host read. The first
-    n_real entries are the real tiles, sorted by span (max hi - min lo + 1 over the tile's rows),
-    descending; then empty tiles (start = end = T), which programs skip. The last entry is
-    always empty and never launched: grids count ``tiles.shape[0] - 1`` (see ``tile_spans``)."""
-    n, n_seg = lo.numel(), bounds.numel() - 1
-    dev = lo.device
-    count = (bounds[1:] - bounds[:-1] + tile - 1) // tile  # (n_seg,) tiles per segment
-    if take is not None:
-        count = torch.where(take, count, 0)
-    last = torch.cumsum(count, 0)  # one past each segment's last tile
-    n_slots = -(-n // tile) + n_seg - 1
-    slot = torch.arange(n_slots, device=dev)
-    seg = torch.searchsorted(last, slot, right=True)
-    real = seg < n_seg
-    seg = seg.clamp_(max=n_seg - 1)
-    i, a, e, c = slot - (last - count)[seg], bounds[seg], bounds[seg + 1], count[seg]
-    if end_aligned:
-        end = e - (c - 1 - i) * tile
-        start = torch.maximum(a, end - tile)
-    else:
-        start = a + i * tile
-        end = torch.minimum(e, start + tile)
-    start, end = torch.where(real, start, n), torch.where(real, end, n)
-    order = torch.argsort(tile_spans(lo, hi, start, end), descending=True, stable=True)
-    empty = torch.full((1, 2), n, dtype=torch.int32, device=dev)
-    tiles = torch.cat([torch.stack([start[order], end[order]], 1).to(torch.int32), empty])
-    return tiles, last[-1:].to(torch.int32)
+def tile_spans(lo: torch.Tensor, hi: torch.Tensor, tile: int) -> torch.Tensor:
+    """(n_tiles + 1,) int32: max hi - min lo + 1 (>= 0) over each tile's rows; the extra last
+    entry (the empty tile) is 0."""
+    n = lo.numel()
+    n_tiles = -(-n // tile)
+    tile_of = torch.arange(n, device=lo.device) // tile
+    # int32 throughout: bounds lie in [0, T) or are the empty pair (EMPTY_LO, -1), so even an
+    # empty tile's span, -1 - EMPTY_LO + 1 = -(2**31 - 1), fits.
+    lo_t = torch.full((n_tiles + 1,), EMPTY_LO, dtype=torch.int32, device=lo.device)
+    hi_t = torch.full((n_tiles + 1,), -1, dtype=torch.int32, device=lo.device)
+    lo_t = lo_t.scatter_reduce(0, tile_of, lo.to(torch.int32), "amin")
+    hi_t = hi_t.scatter_reduce(0, tile_of, hi.to(torch.int32), "amax")
+    return (hi_t - lo_t + 1).clamp_min(0)
 
 
-def tile_spans(lo, hi, start, end) -> torch.Tensor:
-    """(n_slots,) int64: max hi - min lo + 1 (>= 0) over the rows [start, end) of each tile
-    (starts non-decreasing; empty tiles give 0).
-
-    Why tile lists end in an extra entry: under torch.compile n_slots is symbolic, and an op over
-    an n-sized dimension may specialise n == 1 against n >= 2 (a recompile whenever a pack
-    crosses one tile); the rows outside every tile gather in that extra slot here."""
-    n, n_slots = lo.numel(), start.numel()
-    rows = torch.arange(n, device=lo.device)
-    slot = torch.searchsorted(start, rows, right=True) - 1
-    inside = (slot >= 0) & (rows < end[slot.clamp(min=0)])
-    idx = torch.where(inside, slot, n_slots)
-    # int32 bounds lie in [0, T) or are the empty pair (EMPTY_LO, -1); int64 here, no overflow
-    lo_t = torch.full((n_slots + 1,), EMPTY_LO, dtype=torch.int64, device=lo.device)
-    hi_t = torch.full((n_slots + 1,), -1, dtype=torch.int64, device=lo.device)
-    lo_t = lo_t.scatter_reduce(0, idx, lo.to(torch.int64), "amin")
-    hi_t = hi_t.scatter_reduce(0, idx, hi.to(torch.int64), "amax")
-    return (hi_t - lo_t + 1).clamp_min(0)[:n_slots]
-
-
-def split_tiles(
-    lo: torch.Tensor,
-    hi: torch.Tensor,
-    bounds: torch.Tensor,
-    tile_s: int,
-    tile_l: int,
-    min_span: int,
-    end_aligned: bool,
+def split_orders(
+    lo: torch.Tensor, hi: torch.Tensor, tile_s: int, tile_l: int, min_span: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Documents split between a short-tile launch and a long-tile launch: (tiles_s, tiles_l,
-    n_long). A segment is long when one of its rows spans >= ``min_span`` rows of the other side
-    (for causal attention: a document of >= min_span keys); its rows are tiled with ``tile_l``
-    for the long launch, every other segment's with ``tile_s`` (an exact partition: each row is
-    in one tile of one launch). tiles_*: ``tile_list``'s; n_long (1,) int32: the long launch's
-    real tiles (the persistent launch's work)."""
-    n, n_seg = lo.numel(), bounds.numel() - 1
-    rows = torch.arange(n, device=lo.device)
-    seg = (torch.searchsorted(bounds, rows, right=True) - 1).clamp_(0, n_seg - 1)
-    row_span = (hi.to(torch.int64) - lo.to(torch.int64) + 1).clamp_min(0)
-    span = torch.zeros(n_seg, dtype=torch.int64, device=lo.device)
-    long_seg = span.scatter_reduce(0, seg, row_span, "amax") >= min_span
-    tiles_s, _ = tile_list(lo, hi, bounds, tile_s, end_aligned, take=~long_seg)
-    tiles_l, n_long = tile_list(lo, hi, bounds, tile_l, end_aligned, take=long_seg)
-    return tiles_s, tiles_l, n_long
+    """Rows split between a short-tile launch and a long-tile launch: (order_s, order_l, n_long).
+
+    Both tilings start at row 0, so with G = lcm(tile_s, tile_l) every G-row block is a whole
+    number of tiles of either size. A block is long when its span is >= ``min_span``; its rows
+    belong to the long launch, every other row to the short one (an exact partition: each row is
+    computed once). order_s: heaviest_first's shape (n_s + 1,), the long blocks' short tiles
+    replaced by the empty tile n_s (their programs do nothing). order_l: (n_l + 1,), the long
+    tiles first, heaviest first; n_long (1,) int32: how many (the persistent launch's work)."""
+    g = math.lcm(tile_s, tile_l)
+    spans = {t: tile_spans(lo, hi, t) for t in {g, tile_s, tile_l}}  # g is often one of them
+    long_g = spans[g] >= min_span  # (n_g + 1,), the extra entry never long
+
+    def side(tile):
+        span = spans[tile]
+        idx = torch.arange(span.numel(), device=lo.device)
+        is_long = long_g[idx * tile // g]  # the extra entry maps into [0, n_g]: never long
+        return span, is_long
+
+    span_s, long_s = side(tile_s)
+    n_s = span_s.numel() - 1
+    order_s = torch.argsort(torch.where(long_s, -1, span_s), descending=True, stable=True)
+    order_s = torch.where(long_s[order_s], n_s, order_s).to(torch.int32)
+    span_l, long_l = side(tile_l)
+    order_l = torch.argsort(torch.where(long_l, span_l, -1), descending=True, stable=True)
+    n_long = long_l.sum(dtype=torch.int32).reshape(1)
+    return order_s, order_l.to(torch.int32), n_long
 
 
 # Plans keyed on the cu_seqlens tensor objects (all layers of a forward and the backward share them;
@@ -414,11 +364,10 @@ def get_plan(
     Only plain eager tensors are cached: inside a traced op (fake / functional tensors, or while
     torch.compile traces) the plan is rebuilt from torch ops, which the compiler sees and
     deduplicates across layers (no Python-side state in a graph)."""
-
-    def build():
-        bounds = row_bounds(cu_q, cu_k, t_q, t_k, left, right)
-        return Plan(*bounds, segment_bounds(cu_q, t_q), segment_bounds(cu_k, t_k))
-
     if type(cu_q) is not torch.Tensor or type(cu_k) is not torch.Tensor:
-        return build()
-    return _PLANS.get_or_compute((cu_q, cu_k), build, extra=(t_q, t_k, left, right))
+        return Plan(*row_bounds(cu_q, cu_k, t_q, t_k, left, right))
+    return _PLANS.get_or_compute(
+        (cu_q, cu_k),
+        lambda: Plan(*row_bounds(cu_q, cu_k, t_q, t_k, left, right)),
+        extra=(t_q, t_k, left, right),
+    )
