@@ -15,6 +15,7 @@ LENGTHS_DIR = Path(__file__).resolve().parent / "data"
 HEADS = {
     "32/8/128": (32, 8, 128),
     "16/16/64": (16, 16, 64),
+    "32/8/64": (32, 8, 64),  # GQA at head dim 64 (Llama-3.2-1B)
     "40/8/128": (40, 8, 128),
     "16/8/256": (16, 8, 256),  # head dim 256 (Gemma 2/3), where a backend supports it
 }
@@ -90,3 +91,17 @@ def cases() -> dict[str, list[int]]:
         "8x8k": [8192] * 8,
         "128k": [131072],  # one long-context document (the FA4 parity target of issue 16)
     }
+
+
+# Where "auto" should switch from our kernel to FA4 (backends/registry.py LONG_DOCUMENT_TOKENS): 64K
+# packs of one document length, and short alpaca packs holding one longer document (the rule sees
+# only the longest document, so these tell what it costs the mostly-short packs it also moves).
+CROSSOVER_LENGTHS = (256, 512, 1024, 2048, 4096)
+
+
+def crossover_cases() -> dict[str, list[int]]:
+    alpaca = load_lengths("alpaca")
+    out = {f"64k_of_{n}": [n] * (65536 // n) for n in CROSSOVER_LENGTHS}
+    for n in (1024, 4096, 8192):
+        out[f"{n // 1024}k+alpaca"] = [n] + pack(alpaca, 65536 - n)
+    return out

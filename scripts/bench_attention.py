@@ -32,7 +32,7 @@ import torch
 import torch._functorch.config as functorch_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from attention_cases import HEADS, cases, floor_ms, make_lengths, useful_flops_fwd  # noqa: E402
+from attention_cases import HEADS, cases, crossover_cases, floor_ms, make_lengths, useful_flops_fwd  # noqa: E402
 from attention_targets import targets  # noqa: E402
 from attention_tuning import best_config, breakdown, tune  # noqa: E402
 from bench_common import bench_ms  # noqa: E402
@@ -330,7 +330,12 @@ def main(argv=None) -> None:
     )
     ap.add_argument("--shared-data", type=Path, default=HERE.parents[1] / "shared" / "data")
     ap.add_argument("--providers", default=",".join(PROVIDERS))
-    ap.add_argument("--cases", default="all", help="comma list of case names (default all)")
+    ap.add_argument(
+        "--cases",
+        default="all",
+        help="comma list of case names; 'all' (default): issue 16's cases; 'crossover': the packs "
+        "that place auto's switch to FA4 (attention_cases.crossover_cases)",
+    )
     ap.add_argument("--heads", default="32/8/128", help=f"comma list from {list(HEADS)} or 'all'")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--no-check", action="store_true", help="skip the reference match column")
@@ -361,7 +366,10 @@ def main(argv=None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA GPU (use --make-lengths on CPU)")
     all_cases = cases()
-    names = list(all_cases) if args.cases == "all" else args.cases.split(",")
+    extra = crossover_cases()
+    names = {"all": list(all_cases), "crossover": list(extra)}.get(args.cases)
+    names = names or args.cases.split(",")
+    all_cases.update(extra)
     heads = list(HEADS) if args.heads == "all" else args.heads.split(",")
     hdr = header()
     print(" | ".join(f"{k}: {v}" for k, v in hdr.items()), flush=True)
