@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 import pytest
 import torch
@@ -28,7 +29,7 @@ def _rows(order, n_launched, tile, n):
     return rows
 
 
-@pytest.mark.parametrize("tile_s,tile_l", [(16, 32), (16, 48), (32, 32), (64, 16)])
+@pytest.mark.parametrize("tile_s,tile_l", [(16, 32), (16, 48), (32, 32), (64, 16), (20, 32)])
 @pytest.mark.parametrize("window", [(-1, 0), (-1, -1), (40, 0)])
 def test_split_is_an_exact_partition(tile_s, tile_l, window):
     lengths = [300, 20, 7, 150, 3, 1, 90, 64]
@@ -42,7 +43,7 @@ def test_split_is_an_exact_partition(tile_s, tile_l, window):
         short_rows = _rows(order_s, n_s, tile_s, n)
         long_rows = _rows(order_l, int(n_long), tile_l, n)
         assert sorted(short_rows + long_rows) == list(range(n))  # every row exactly once
-        if window == (-1, 0) and max(tile_s, tile_l) <= 32:
+        if window == (-1, 0) and math.lcm(tile_s, tile_l) <= 32:
             assert long_rows and short_rows  # this pack has both kinds at these tiles
         spans = tile_spans(lo, hi, tile_l)[order_l[: int(n_long)].long()]
         assert (spans[:-1] >= spans[1:]).all()  # heaviest first
@@ -56,6 +57,27 @@ def test_no_long_tiles_leaves_the_short_order_alone():
     order_s, _, n_long = split_orders(lo, hi, 16, 32, min_span=64)
     assert int(n_long) == 0
     assert torch.equal(order_s, attention_schedule.heaviest_first(lo, hi, 16))
+
+
+def test_short_documents_stay_short_when_the_tiles_share_a_large_block():
+    """Tiles of 25 and 256 rows (a fold of 5 query heads) align only every lcm = 6400 rows; that
+    block spans far more than min_span over short documents, yet none of its tiles is long."""
+    lengths = [79] * 200  # alpaca-like: 15800 rows, every tile's span < 512
+    n = sum(lengths)
+    cu = cu_from_lengths(lengths)
+    lo, hi, _, _ = row_bounds(cu, cu, n, n, -1, 0)
+    order_s, _, n_long = split_orders(lo, hi, 25, 256, min_span=1024)
+    assert int(n_long) == 0
+    assert torch.equal(order_s, attention_schedule.heaviest_first(lo, hi, 25))
+    # one long document among them: only its blocks go long
+    lengths = [79] * 100 + [3000] + [79] * 100
+    n = sum(lengths)
+    lo, hi, _, _ = row_bounds(cu_from_lengths(lengths), cu_from_lengths(lengths), n, n, -1, 0)
+    order_s, order_l, n_long = split_orders(lo, hi, 25, 256, min_span=1024)
+    long_rows = _rows(order_l, int(n_long), 256, n)
+    assert 0 < len(long_rows) <= 2 * 6400 and sorted(
+        long_rows + _rows(order_s, order_s.numel() - 1, 25, n)
+    ) == list(range(n))
 
 
 @pytest.mark.parametrize(

@@ -349,6 +349,31 @@ def test_auto_on_cuda_prefers_triton_and_fa4_for_long_documents(monkeypatch):
     assert registry.resolve("auto", dropout).name == "flash_attn"
 
 
+@pytest.mark.parametrize(
+    "max_len,total,n_docs,long",
+    [  # the packs of BENCHMARKS run K (H200): whether FA4 beat our kernel on each
+        (388, 16384, 209, False),  # alpaca 16K
+        (388, 65536, 829, False),  # alpaca 64K
+        (256, 65536, 256, False),  # 64K of 256-token documents
+        (1024, 65536, 815, False),  # alpaca + one 1K document
+        (4096, 65536, 777, False),  # alpaca + one 4K document
+        (8192, 65536, 727, False),  # alpaca + one 8K document (ours 0.94x FA4's time)
+        (1004, 65536, 134, True),  # lima 64K
+        (512, 65536, 128, True),  # 64K of 512-token documents (ours 1.02x FA4's time)
+        (4096, 4352, 3, True),  # 128 + 128 + 4096
+        (8192, 65536, 8, True),  # 8 x 8K
+        (32768, 65536, 416, True),  # 32K + alpaca 32K
+        (131072, 131072, 1, True),  # one 128K document
+        (8, 8, 1, False),  # one tiny document
+        (0, 0, 0, False),  # no documents
+    ],
+)
+def test_long_documents_matches_the_measured_crossover(max_len, total, n_docs, long):
+    from hf_varlen.backends import registry
+
+    assert registry.long_documents(max_len, total, n_docs) is long
+
+
 def test_long_documents_flag_follows_max_seqlen(monkeypatch):
     from hf_varlen import functional
     from hf_varlen.backends import registry

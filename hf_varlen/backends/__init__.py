@@ -1,14 +1,15 @@
 """Varlen attention backends. Importing this package registers every adapter.
 
 "auto" order on CUDA (first available backend that supports the call wins), from our H200
-measurements of forward+backward on packs of real alpaca and lima lengths (docs/BENCHMARKS.md):
-our ``triton`` kernel leads on packed SFT data (2.2x FA4 on real alpaca 16K, 1.6-2.4x torch's FA2
-on alpaca/lima 64K), so it comes first. When a call holds a document of >= LONG_DOCUMENT_TOKENS
-(8192) tokens, FA4 is tried first: on a 32K document it is faster than ours, long-document path
-included (1 x 32K + 32K alpaca f+b: FA4 53 ms in ANCHORS.md, ours 83 ms, BENCHMARKS.md run G; the
-crossover between 3K, where ours still wins on real lima, and 32K was not measured). Then FA2, torch's bundled FA2 (always present), flex (pays a mask
-build per batch), xformers, SDPA. On CPU the per-document SDPA loop is the fastest exact path (flex
-runs an unfused dense path there; the triton backend needs a GPU).
+measurements of forward+backward (docs/BENCHMARKS.md, run K): our ``triton`` kernel leads on packs
+of short documents (FA4 takes 2.0x our time on real alpaca 64K and 1.5x on alpaca 64K with one 4K
+document; torch 2.3x), so it comes first. For packs of long documents (registry.long_documents: a
+mean length of >= 448 tokens, or a longest document whose work outweighs the rest's) FA4 is tried
+first: it is faster there (we take 1.08x its time on real lima 64K, 1.6x on 8 x 8K, 1 x 32K + 32K
+alpaca and one 128K document). Then FA2, torch's bundled FA2 (always present; slower than ours on
+every pack of run K), flex (pays a mask build per batch), xformers, SDPA. On CPU the per-document
+SDPA loop is the fastest exact path (flex runs an unfused dense path there; the triton backend
+needs a GPU).
 """
 
 from __future__ import annotations

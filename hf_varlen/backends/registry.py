@@ -72,9 +72,12 @@ _REGISTRY: dict[str, BackendSpec] = {}
 # "auto" tries these in order per device type (first available that supports the request wins). The
 # order comes from our own H200 measurements (docs/BENCHMARKS.md): see hf_varlen/backends/__init__.py.
 _AUTO_ORDER: dict[str, list[str]] = {"cuda": [], "cpu": []}
-# Tried before _AUTO_ORDER when a call holds a document of >= LONG_DOCUMENT_TOKENS tokens: on long
-# documents FA4's backward beats our short-document schedule (docs/BENCHMARKS.md, 1 x 32K case).
-LONG_DOCUMENT_TOKENS = 8192
+# Tried before _AUTO_ORDER when a call's documents are long enough for them to be faster
+# (``long_documents``): FA4's long-document kernels beat ours there, ours wins on packs of short
+# documents (docs/BENCHMARKS.md, run K: H200, bf16, 32/8/128, forward+backward).
+MEAN_DOCUMENT_TOKENS = 448  # lima 64K (mean 489), 64K of 512-token documents: FA4 0.93-0.98x ours
+LONG_DOCUMENT_TOKENS = 2048  # a longest document below this never decides alone
+LONG_DOCUMENT_WORK = 1600  # max^2 / (T - max): 8K + alpaca 56K 1170 (ours), 32K + 32K 32768 (FA4)
 _AUTO_LONG_FIRST: dict[str, list[str]] = {"cuda": [], "cpu": []}
 _PROBE_CACHE: dict[str, str | None] = {}
 _AUTO_LOGGED: set[tuple] = set()
@@ -100,8 +103,8 @@ def set_auto_order(
 ) -> None:
     """Set the order in which backend="auto" tries backends on ``device_type`` ("cuda", "cpu").
 
-    ``long_documents_first`` (optional) are tried before ``names`` when a call's longest document
-    has at least ``LONG_DOCUMENT_TOKENS`` tokens.
+    ``long_documents_first`` (optional) are tried before ``names`` when a call's pack counts as
+    one of long documents (``long_documents``).
     """
     first = list(long_documents_first or [])
     unknown = [n for n in names + first if n not in _REGISTRY]
@@ -118,6 +121,24 @@ def auto_order(device_type: str, *, long_documents: bool = False) -> list[str]:
         first = _AUTO_LONG_FIRST.get(device_type, [])
         order = first + [n for n in order if n not in first]
     return list(order)
+
+
+def long_documents(max_seqlen: int, total: int, n_docs: int) -> bool:
+    """Whether a pack counts as one of long documents for "auto" (only the shapes and the host
+    ``max_seqlen``, never the lengths: no device read). Either its documents are long on average
+    (T / n_docs >= MEAN_DOCUMENT_TOKENS), or its longest one does more attention work than the rest
+    (quadratic in max, linear in T - max for short documents) by the measured ratio. On the H200
+    (BENCHMARKS run K) this matches the faster of triton and FA4 on every measured pack: alpaca 16K /
+    64K, 64K of 256-token documents and alpaca packs with one 1K / 4K / 8K document are short;
+    lima 64K, 64K of 512-4096-token documents, 128+128+4096, 8 x 8K, 32K + alpaca 32K, 128K long."""
+    if n_docs <= 0:
+        return False
+    if total >= MEAN_DOCUMENT_TOKENS * n_docs:
+        return True
+    rest = max(total - max_seqlen, 0)
+    return (
+        max_seqlen >= LONG_DOCUMENT_TOKENS and max_seqlen * max_seqlen >= LONG_DOCUMENT_WORK * rest
+    )
 
 
 def get_spec(name: str) -> BackendSpec:
@@ -200,7 +221,7 @@ class Request:
     dropout: bool
     deterministic: bool = False
     needs_grad: bool = False
-    long_documents: bool = False  # a document of >= LONG_DOCUMENT_TOKENS (only steers "auto")
+    long_documents: bool = False  # see long_documents() (only steers "auto")
 
     @classmethod
     def for_call(cls, q, k, v, metadata: VarlenMetadata, params: AttentionParams) -> Request:
@@ -216,8 +237,11 @@ class Request:
             deterministic=params.deterministic,
             needs_grad=torch.is_grad_enabled()
             and (q.requires_grad or k.requires_grad or v.requires_grad),
-            long_documents=max(metadata.max_seqlen_q, metadata.max_seqlen_k)
-            >= LONG_DOCUMENT_TOKENS,
+            long_documents=long_documents(
+                max(metadata.max_seqlen_q, metadata.max_seqlen_k),
+                max(q.shape[0], k.shape[0]),
+                metadata.cu_seqlens_q.shape[0] - 1,
+            ),
         )
 
     def unsupported(self, spec: BackendSpec) -> list[str]:

@@ -326,14 +326,23 @@ def split_orders(
     """Rows split between a short-tile launch and a long-tile launch: (order_s, order_l, n_long).
 
     Both tilings start at row 0, so with G = lcm(tile_s, tile_l) every G-row block is a whole
-    number of tiles of either size. A block is long when its span is >= ``min_span``; its rows
-    belong to the long launch, every other row to the short one (an exact partition: each row is
-    computed once). order_s: heaviest_first's shape (n_s + 1,), the long blocks' short tiles
-    replaced by the empty tile n_s (their programs do nothing). order_l: (n_l + 1,), the long
-    tiles first, heaviest first; n_long (1,) int32: how many (the persistent launch's work)."""
+    number of tiles of either size. A block is long when one of its long-size tiles has a span of
+    >= ``min_span``; its rows belong to the long launch, every other row to the short one (an exact
+    partition: each row is computed once). Not the block's own span: G can be far larger than
+    either tile (a fold of 5 heads gives 25-token tiles, lcm(25, 256) = 6400), and a block that
+    long spans >= min_span over many short documents. order_s: heaviest_first's shape (n_s + 1,),
+    the long blocks' short tiles replaced by the empty tile n_s (their programs do nothing).
+    order_l: (n_l + 1,), the long tiles first, heaviest first; n_long (1,) int32: how many (the
+    persistent launch's work)."""
     g = math.lcm(tile_s, tile_l)
-    spans = {t: tile_spans(lo, hi, t) for t in {g, tile_s, tile_l}}  # g is often one of them
-    long_g = spans[g] >= min_span  # (n_g + 1,), the extra entry never long
+    spans = {t: tile_spans(lo, hi, t) for t in {tile_s, tile_l}}
+    span_l = spans[tile_l]
+    # (n_g + 1,): a block is long if any of its long-size tiles is; the extra entry never is (the
+    # extra tile's span is 0, and nothing maps to the last block index past the rows)
+    n_g = -(-lo.numel() // g)
+    block_of = torch.arange(span_l.numel(), device=lo.device) * tile_l // g
+    long_g = torch.zeros(n_g + 1, dtype=torch.int32, device=lo.device)
+    long_g = long_g.scatter_reduce(0, block_of, (span_l >= min_span).to(torch.int32), "amax") > 0
 
     def side(tile):
         span = spans[tile]
