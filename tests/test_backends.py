@@ -374,10 +374,14 @@ def test_long_documents_matches_the_measured_crossover(max_len, total, n_docs, l
     assert registry.long_documents(max_len, total, n_docs) is long
 
 
-def test_long_documents_flag_follows_max_seqlen(monkeypatch):
+@pytest.mark.parametrize("long_first", [["reference"], []])
+def test_long_documents_flag_follows_the_pack(monkeypatch, long_first):
+    """The flag is computed from the call's shapes and max_seqlen, and only where a backend that
+    "auto" would put first for long documents is available (else no shape test at all)."""
     from hf_varlen import functional
     from hf_varlen.backends import registry
 
+    monkeypatch.setitem(registry._AUTO_LONG_FIRST, "cpu", long_first)
     seen = []
     real = functional.resolve
 
@@ -390,4 +394,4 @@ def test_long_documents_flag_follows_max_seqlen(monkeypatch):
     cu = torch.tensor([0, 8], dtype=torch.int32)
     for max_len in (8, registry.LONG_DOCUMENT_TOKENS):
         hf_varlen.varlen_attention(q, q, q, cu, cu, max_len, max_len, backend="reference")
-    assert seen == [False, True]
+    assert seen == ([False, True] if long_first else [False, False])

@@ -237,7 +237,12 @@ class Request:
             deterministic=params.deterministic,
             needs_grad=torch.is_grad_enabled()
             and (q.requires_grad or k.requires_grad or v.requires_grad),
-            long_documents=long_documents(
+            # only where a long-documents-first backend is available: under torch.compile the
+            # test guards on the shapes, which is not worth a recompile that cannot change a choice
+            long_documents=any(
+                unavailable_reason(n) is None for n in _AUTO_LONG_FIRST.get(q.device.type, [])
+            )
+            and long_documents(
                 max(metadata.max_seqlen_q, metadata.max_seqlen_k),
                 max(q.shape[0], k.shape[0]),
                 metadata.cu_seqlens_q.shape[0] - 1,
