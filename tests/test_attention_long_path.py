@@ -120,7 +120,11 @@ def test_shipped_long_path_on_cuda():
     long = attention_schedule.pick_long_path(128, torch.bfloat16, torch.device("cuda"))
     assert long is not None and long.min_span == 1024 and long.cfg.fwd_warps == 8
     long64 = attention_schedule.pick_long_path(64, torch.float16, torch.device("cuda"))
-    assert long64 is not None and long64.cfg.fwd_block_n == 64 and long64.cfg.fwd_min_tokens == 128
+    assert long64 is not None and long64.cfg.fwd_block_n == 64
+    # 32/8 heads (a KV group of 4) fold 2 / 2 / 4 heads per tile (H200 run L); 16/16 heads fold none
+    tiling = {k: attention_schedule.kernel_tiling(long64.cfg, k, 4) for k in ("fwd", "dq", "kv")}
+    assert tiling == {"fwd": (2, 64), "dq": (2, 64), "kv": (4, 64)}
+    assert attention_schedule.kernel_tiling(long64.cfg, "fwd", 1) == (1, 128)
 
 
 @pytest.mark.gpu

@@ -102,10 +102,12 @@ class LongPath:
 
 # Tuned on the H200 (scripts/bench_attention.py --tune --tune-set long) over 1 x 32K + 32K alpaca
 # and 8 x 8K (docs/BENCHMARKS.md): head_dim 128 with 32/8 heads (run G: bigger steps, 8 warps),
-# head_dim 64 with 16/16 heads (run H: fold 1, its only measured fold). head_dim 256: not
+# head_dim 64 with 16/16 heads (run H) and 32/8 heads (run L: folding 2 / 2 / 4 heads of a KV
+# group into the forward / dQ / dK-dV tiles took 8 x 8K from 45.1 to 39.8 ms f+b and 32K + 32K
+# from 82.7 to 74.4 ms against fold 1; 16/16 heads have no group to fold). head_dim 256: not
 # measured, no long path.
 _CUDA_LONG: dict[int, LongPath] = {
-    64: LongPath(KernelConfig(128, 64, 4, 3, 128, 128, 32, 8, 3, 128, 64, 64, 4, 2, 64), 1024),
+    64: LongPath(KernelConfig(128, 64, 4, 3, 64, 128, 32, 8, 3, 64, 64, 64, 4, 2, 16), 1024),
     128: LongPath(KernelConfig(256, 64, 8, 3, 64, 128, 64, 8, 3, 64, 128, 64, 8, 3, 16), 1024),
 }
 # Different tiles from the short interpreter config (the split's lcm logic runs), a small span
