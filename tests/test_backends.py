@@ -341,7 +341,7 @@ def test_auto_on_cuda_prefers_triton_and_fa4_for_long_documents(monkeypatch):
     monkeypatch.setattr(registry, "unavailable_reason", lambda name: None)
     base = dict(device="cuda", dtype=torch.bfloat16, head_dim=128, causal=True, window=False)
     short = registry.Request(**base, softcap=False, dropout=False)
-    long = registry.Request(**base, softcap=False, dropout=False, long_documents=True)
+    long = registry.Request(**base, softcap=False, dropout=False, pack=(8192, 65536, 8))
     assert registry.resolve("auto", short).name == "triton"
     assert registry.resolve("auto", long).name == "fa4"
     # A feature the first choice lacks moves on down the order, never to an unsupporting backend.
@@ -365,6 +365,8 @@ def test_auto_on_cuda_prefers_triton_and_fa4_for_long_documents(monkeypatch):
         (32768, 65536, 416, True),  # 32K + alpaca 32K
         (131072, 131072, 1, True),  # one 128K document
         (8, 8, 1, False),  # one tiny document
+        (65536, 65536, 257, False),  # max_seqlen = T: the CUDA-graph step's bound, not a length
+        (4096, 4096, 2, True),  # max = T over two documents: long by the mean alone
         (0, 0, 0, False),  # no documents
     ],
 )
@@ -374,24 +376,118 @@ def test_long_documents_matches_the_measured_crossover(max_len, total, n_docs, l
     assert registry.long_documents(max_len, total, n_docs) is long
 
 
-@pytest.mark.parametrize("long_first", [["reference"], []])
-def test_long_documents_flag_follows_the_pack(monkeypatch, long_first):
-    """The flag is computed from the call's shapes and max_seqlen, and only where a backend that
-    "auto" would put first for long documents is available (else no shape test at all)."""
+# The packs of BENCHMARKS runs K / L where torch's varlen_attn and our kernel were timed side by
+# side (H200, f+b): (max_len, total, n_docs, torch faster). FA4 absent, "auto" must pick the faster.
+_TORCH_VS_TRITON = {
+    64: [  # 32/8/64 (and 16/16/64 on 8 x 8K, 32K + 32K)
+        (388, 65536, 829, False),  # alpaca 64K
+        (1004, 65536, 134, False),  # lima 64K
+        (256, 65536, 256, False),
+        (512, 65536, 128, False),
+        (1024, 65536, 64, False),  # torch 1.30x our time
+        (2048, 65536, 32, True),  # ours 1.17x torch's
+        (4096, 65536, 16, True),
+        (4096, 65536, 777, False),  # alpaca + one 4K document
+        (8192, 65536, 727, False),  # alpaca + one 8K document
+        (8192, 65536, 8, True),  # 8 x 8K
+        (32768, 65536, 416, False),  # 32K + alpaca 32K: torch 1.08x our time
+        (131072, 131072, 1, True),  # one 128K document
+    ],
+    256: [  # 16/8/256
+        (388, 65536, 829, False),  # alpaca 64K
+        (1004, 65536, 134, True),  # lima 64K: ours 1.15x torch's
+        (256, 65536, 256, False),  # torch 1.06x our time
+        (512, 65536, 128, True),
+        (1024, 65536, 64, True),
+        (2048, 65536, 32, True),
+        (4096, 65536, 16, True),
+        (4096, 65536, 777, False),
+        (8192, 65536, 727, False),  # torch 1.53x our time
+        (8192, 65536, 8, True),
+        (32768, 65536, 416, True),  # 32K + alpaca 32K (no long path of ours at head dim 256)
+    ],
+}
+
+
+@pytest.mark.parametrize(
+    "head_dim,max_len,total,n_docs,torch_faster",
+    [(d, *pack) for d, packs in _TORCH_VS_TRITON.items() for pack in packs],
+)
+def test_auto_without_fa4_picks_the_faster_of_triton_and_torch(
+    monkeypatch, head_dim, max_len, total, n_docs, torch_faster
+):
+    from hf_varlen.backends import registry
+
+    monkeypatch.setattr(registry, "unavailable_reason", lambda n: None if n != "fa4" else "absent")
+    req = registry.Request(
+        device="cuda",
+        dtype=torch.bfloat16,
+        head_dim=head_dim,
+        causal=True,
+        window=False,
+        softcap=False,
+        dropout=False,
+        pack=(max_len, total, n_docs),
+    )
+    assert registry.resolve("auto", req).name == ("torch" if torch_faster else "triton")
+
+
+def test_auto_at_head_dim_128_keeps_triton_ahead_of_torch(monkeypatch):
+    """Run K / L: our long path beats torch on every pack at head dims 65-128, 128K included."""
+    from hf_varlen.backends import registry
+
+    monkeypatch.setattr(registry, "unavailable_reason", lambda n: None if n != "fa4" else "absent")
+    rules = [r for r in registry._AUTO_LONG_FIRST["cuda"] if r.covers(128)]
+    assert [r.name for r in rules] == ["fa4"]
+
+
+def test_long_documents_rules_follow_the_pack_under_auto_only(monkeypatch):
+    """The rules see the call's max_seqlen, token and document counts; only "auto" evaluates
+    them, and only for available backends at the call's head dim (else no shape test at all)."""
     from hf_varlen import functional
     from hf_varlen.backends import registry
 
-    monkeypatch.setitem(registry._AUTO_LONG_FIRST, "cpu", long_first)
-    seen = []
-    real = functional.resolve
+    rules = [registry.LongDocumentsRule("reference", mean_tokens=8, work_ratio=None)]
+    rules.append(registry.LongDocumentsRule("sdpa", max_head_dim=8))  # not this call's head dim
+    monkeypatch.setitem(registry._AUTO_LONG_FIRST, "cpu", rules)
+    evaluated, chosen = [], []
+    real_rules, real_resolve = registry.long_first_backends, functional.resolve
 
-    def spy(name, req):
-        seen.append(req.long_documents)
-        return real(name, req)
+    def rules_spy(*args):
+        evaluated.append(args)
+        return real_rules(*args)
 
-    monkeypatch.setattr(functional, "resolve", spy)
+    def resolve_spy(name, req):
+        spec = real_resolve(name, req)
+        chosen.append(spec.name)
+        return spec
+
+    monkeypatch.setattr(registry, "long_first_backends", rules_spy)
+    monkeypatch.setattr(functional, "resolve", resolve_spy)
     q = torch.randn(8, 2, 16)
-    cu = torch.tensor([0, 8], dtype=torch.int32)
-    for max_len in (8, registry.LONG_DOCUMENT_TOKENS):
-        hf_varlen.varlen_attention(q, q, q, cu, cu, max_len, max_len, backend="reference")
-    assert seen == ([False, True] if long_first else [False, False])
+    one, two = (torch.tensor(c, dtype=torch.int32) for c in ([0, 8], [0, 4, 8]))
+    hf_varlen.varlen_attention(q, q, q, one, one, 8, 8, backend="sdpa")
+    assert evaluated == [] and chosen == ["sdpa"]  # an explicit backend: no rule looked at
+    for cu, max_len in ((two, 4), (one, 8)):
+        hf_varlen.varlen_attention(q, q, q, cu, cu, max_len, max_len, backend="auto")
+    assert evaluated == [("cpu", 16, 4, 8, 2), ("cpu", 16, 8, 8, 1)]  # mean 4, then 8
+    assert chosen == ["sdpa", "sdpa", "reference"]
+
+
+def test_set_auto_order_takes_names_and_rules(monkeypatch):
+    from hf_varlen.backends import registry
+
+    monkeypatch.setitem(registry._AUTO_ORDER, "cpu", list(registry._AUTO_ORDER["cpu"]))
+    monkeypatch.setitem(registry._AUTO_LONG_FIRST, "cpu", [])
+    rule = registry.LongDocumentsRule("sdpa", mean_tokens=10, work_ratio=None)
+    registry.set_auto_order("cpu", ["reference"], long_documents_first=["reference", rule])
+    assert registry._AUTO_LONG_FIRST["cpu"] == [registry.LongDocumentsRule("reference"), rule]
+    assert registry.auto_order("cpu", long_first=("sdpa", "reference", "sdpa")) == [
+        "sdpa",
+        "reference",
+    ]
+    assert rule.matches(10**9, 100, 10) and not rule.matches(10**9, 99, 10)  # max never decides
+    with pytest.raises(ValueError, match="unknown backends"):
+        registry.set_auto_order(
+            "cpu", ["sdpa"], long_documents_first=[registry.LongDocumentsRule("x")]
+        )

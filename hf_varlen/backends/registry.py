@@ -72,13 +72,38 @@ _REGISTRY: dict[str, BackendSpec] = {}
 # "auto" tries these in order per device type (first available that supports the request wins). The
 # order comes from our own H200 measurements (docs/BENCHMARKS.md): see hf_varlen/backends/__init__.py.
 _AUTO_ORDER: dict[str, list[str]] = {"cuda": [], "cpu": []}
-# Tried before _AUTO_ORDER when a call's documents are long enough for them to be faster
-# (``long_documents``): FA4's long-document kernels beat ours there, ours wins on packs of short
-# documents (docs/BENCHMARKS.md, run K: H200, bf16, 32/8/128, forward+backward).
+# Tried before _AUTO_ORDER when a call's documents are long enough for them to be faster than
+# the backends ahead of them (``LongDocumentsRule``; docs/BENCHMARKS.md runs K and L: H200, bf16,
+# forward+backward). The defaults are FA4's switch against our kernel (run K, 32/8/128).
 MEAN_DOCUMENT_TOKENS = 448  # lima 64K (mean 489), 64K of 512-token documents: FA4 0.93-0.98x ours
 LONG_DOCUMENT_TOKENS = 2048  # a longest document below this never decides alone
 LONG_DOCUMENT_WORK = 1600  # max^2 / (T - max): 8K + alpaca 56K 1170 (ours), 32K + 32K 32768 (FA4)
-_AUTO_LONG_FIRST: dict[str, list[str]] = {"cuda": [], "cpu": []}
+
+
+@dataclass(frozen=True)
+class LongDocumentsRule:
+    """ "auto" tries backend ``name`` first for calls of head_dim in [min_head_dim, max_head_dim]
+    whose pack counts as one of long documents by these thresholds (``long_documents``); the
+    backend's usual place in the order is kept for the other calls."""
+
+    name: str
+    mean_tokens: int = MEAN_DOCUMENT_TOKENS
+    work_ratio: int | None = LONG_DOCUMENT_WORK  # None: the mean length alone decides
+    min_head_dim: int = 1
+    max_head_dim: int | None = None
+
+    def covers(self, head_dim: int) -> bool:
+        return self.min_head_dim <= head_dim and (
+            self.max_head_dim is None or head_dim <= self.max_head_dim
+        )
+
+    def matches(self, max_seqlen: int, total: int, n_docs: int) -> bool:
+        return long_documents(
+            max_seqlen, total, n_docs, mean_tokens=self.mean_tokens, work_ratio=self.work_ratio
+        )
+
+
+_AUTO_LONG_FIRST: dict[str, list[LongDocumentsRule]] = {"cuda": [], "cpu": []}
 _PROBE_CACHE: dict[str, str | None] = {}
 _AUTO_LOGGED: set[tuple] = set()
 _DEFAULT = {"name": None}
@@ -99,46 +124,63 @@ def register_backend(spec: BackendSpec, *, auto_rank: int | None = None) -> None
 
 
 def set_auto_order(
-    device_type: str, names: list[str], *, long_documents_first: list[str] | None = None
+    device_type: str,
+    names: list[str],
+    *,
+    long_documents_first: list[str | LongDocumentsRule] | None = None,
 ) -> None:
     """Set the order in which backend="auto" tries backends on ``device_type`` ("cuda", "cpu").
 
-    ``long_documents_first`` (optional) are tried before ``names`` when a call's pack counts as
-    one of long documents (``long_documents``).
+    ``long_documents_first`` (optional): rules, in priority order, for backends tried before
+    ``names`` when a call's pack counts as one of long documents for them (a bare name: the
+    default thresholds at every head dim; ``LongDocumentsRule``).
     """
-    first = list(long_documents_first or [])
-    unknown = [n for n in names + first if n not in _REGISTRY]
+    first = [
+        r if isinstance(r, LongDocumentsRule) else LongDocumentsRule(r)
+        for r in long_documents_first or []
+    ]
+    unknown = [n for n in names + [r.name for r in first] if n not in _REGISTRY]
     if unknown:
         raise ValueError(f"set_auto_order: unknown backends {unknown}; known: {sorted(_REGISTRY)}")
     _AUTO_ORDER[device_type] = list(names)
     _AUTO_LONG_FIRST[device_type] = first
 
 
-def auto_order(device_type: str, *, long_documents: bool = False) -> list[str]:
-    """The order "auto" tries on ``device_type`` (for a call with long documents if asked)."""
-    order = _AUTO_ORDER.get(device_type, [])
-    if long_documents:
-        first = _AUTO_LONG_FIRST.get(device_type, [])
-        order = first + [n for n in order if n not in first]
-    return list(order)
+def auto_order(device_type: str, *, long_first: tuple[str, ...] | list[str] = ()) -> list[str]:
+    """The order "auto" tries on ``device_type``: ``long_first`` (the backends whose long-documents
+    rule a call meets, ``long_first_backends``) ahead of the usual order."""
+    first = list(dict.fromkeys(long_first))
+    return first + [n for n in _AUTO_ORDER.get(device_type, []) if n not in first]
 
 
-def long_documents(max_seqlen: int, total: int, n_docs: int) -> bool:
-    """Whether a pack counts as one of long documents for "auto" (only the shapes and the host
+def long_documents(
+    max_seqlen: int,
+    total: int,
+    n_docs: int,
+    *,
+    mean_tokens: int = MEAN_DOCUMENT_TOKENS,
+    work_ratio: int | None = LONG_DOCUMENT_WORK,
+) -> bool:
+    """Whether a pack counts as one of long documents (only the shapes and the host
     ``max_seqlen``, never the lengths: no device read). Either its documents are long on average
-    (T / n_docs >= MEAN_DOCUMENT_TOKENS), or its longest one does more attention work than the rest
-    (quadratic in max, linear in T - max for short documents) by the measured ratio. On the H200
-    (BENCHMARKS run K) this matches the faster of triton and FA4 on every measured pack: alpaca 16K /
-    64K, 64K of 256-token documents and alpaca packs with one 1K / 4K / 8K document are short;
-    lima 64K, 64K of 512-4096-token documents, 128+128+4096, 8 x 8K, 32K + alpaca 32K, 128K long."""
+    (T / n_docs >= mean_tokens), or (work_ratio set) its longest one does more attention work than
+    the rest (quadratic in max, linear in T - max for short documents) by that ratio. With the
+    defaults, on the H200 (BENCHMARKS run K) this matches the faster of triton and FA4 on every
+    measured pack: alpaca 16K / 64K, 64K of 256-token documents and alpaca packs with one 1K / 4K /
+    8K document are short; lima 64K, 64K of 512-4096-token documents, 128+128+4096, 8 x 8K,
+    32K + alpaca 32K, 128K long. The captured CUDA-graph step passes T as max_seqlen and a fixed
+    bound of documents (empty ones at the end), so there a pack only counts as long by its mean
+    over that bound: the rules then err towards our kernel, the graph-safe default."""
     if n_docs <= 0:
         return False
-    if total >= MEAN_DOCUMENT_TOKENS * n_docs:
+    if total >= mean_tokens * n_docs:
         return True
-    rest = max(total - max_seqlen, 0)
-    return (
-        max_seqlen >= LONG_DOCUMENT_TOKENS and max_seqlen * max_seqlen >= LONG_DOCUMENT_WORK * rest
-    )
+    if work_ratio is None:  # max_seqlen is not looked at (no guard on it under torch.compile)
+        return False
+    rest = total - max_seqlen
+    if rest <= 0:  # max_seqlen >= T is only a bound (the CUDA-graph step passes T), not a length
+        return False
+    return max_seqlen >= LONG_DOCUMENT_TOKENS and max_seqlen * max_seqlen >= work_ratio * rest
 
 
 def get_spec(name: str) -> BackendSpec:
@@ -208,6 +250,20 @@ def default_backend() -> str:
     return _DEFAULT["name"] or os.environ.get("HF_VARLEN_BACKEND", "auto") or "auto"
 
 
+def long_first_backends(
+    device_type: str, head_dim: int, max_seqlen: int, total: int, n_docs: int
+) -> tuple[str, ...]:
+    """Names of the available backends whose long-documents rule a call meets, in rule order.
+    Rules of unavailable backends or other head dims are never evaluated: under torch.compile a
+    rule guards on the shapes, which is only worth it where it can change the choice."""
+    rules = [
+        r
+        for r in _AUTO_LONG_FIRST.get(device_type, [])
+        if r.covers(head_dim) and unavailable_reason(r.name) is None
+    ]
+    return tuple(r.name for r in rules if r.matches(max_seqlen, total, n_docs))
+
+
 @dataclass(frozen=True)
 class Request:
     """The features one attention call needs; compared against a BackendSpec."""
@@ -221,7 +277,9 @@ class Request:
     dropout: bool
     deterministic: bool = False
     needs_grad: bool = False
-    long_documents: bool = False  # see long_documents() (only steers "auto")
+    # (max_seqlen, total tokens, documents) of the pack: only "auto" reads it (LongDocumentsRule),
+    # so an explicitly chosen backend adds no shape guard under torch.compile
+    pack: tuple[int, int, int] | None = None
 
     @classmethod
     def for_call(cls, q, k, v, metadata: VarlenMetadata, params: AttentionParams) -> Request:
@@ -237,12 +295,7 @@ class Request:
             deterministic=params.deterministic,
             needs_grad=torch.is_grad_enabled()
             and (q.requires_grad or k.requires_grad or v.requires_grad),
-            # only where a long-documents-first backend is available: under torch.compile the
-            # test guards on the shapes, which is not worth a recompile that cannot change a choice
-            long_documents=any(
-                unavailable_reason(n) is None for n in _AUTO_LONG_FIRST.get(q.device.type, [])
-            )
-            and long_documents(
+            pack=(
                 max(metadata.max_seqlen_q, metadata.max_seqlen_k),
                 max(q.shape[0], k.shape[0]),
                 metadata.cu_seqlens_q.shape[0] - 1,
@@ -307,7 +360,8 @@ def resolve(name: str, req: Request) -> BackendSpec:
             )
         return spec
     tried = []
-    for cand in auto_order(req.device, long_documents=req.long_documents):
+    first = long_first_backends(req.device, req.head_dim, *req.pack) if req.pack else ()
+    for cand in auto_order(req.device, long_first=first):
         if unavailable_reason(cand) is not None:
             continue
         missing = req.unsupported(_REGISTRY[cand])
