@@ -321,6 +321,21 @@ def table(rows) -> str:
     return "\n".join(out)
 
 
+def case_names(spec: str, issue_cases: list[str], crossover: list[str]) -> list[str]:
+    """--cases: a comma list of case names, where 'all' stands for issue 16's cases and
+    'crossover' for the crossover packs (in a list too: 'crossover,128k'); an unknown name exits
+    before any GPU work, naming the known ones."""
+    groups = {"all": issue_cases, "crossover": crossover}
+    names = [n for part in spec.split(",") if part for n in groups.get(part, [part])]
+    unknown = [n for n in names if n not in issue_cases and n not in crossover]
+    if unknown or not names:
+        raise SystemExit(
+            f"--cases {spec!r}: unknown case(s) {unknown}; known: 'all', 'crossover', "
+            f"{issue_cases + crossover}"
+        )
+    return list(dict.fromkeys(names))
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -334,7 +349,8 @@ def main(argv=None) -> None:
         "--cases",
         default="all",
         help="comma list of case names; 'all' (default): issue 16's cases; 'crossover': the packs "
-        "that place auto's switch to FA4 (attention_cases.crossover_cases)",
+        "that place auto's switch to FA4 and torch (attention_cases.crossover_cases); both may "
+        "appear in the list",
     )
     ap.add_argument("--heads", default="32/8/128", help=f"comma list from {list(HEADS)} or 'all'")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
@@ -367,8 +383,7 @@ def main(argv=None) -> None:
         raise SystemExit("this benchmark needs a CUDA GPU (use --make-lengths on CPU)")
     all_cases = cases()
     extra = crossover_cases()
-    names = {"all": list(all_cases), "crossover": list(extra)}.get(args.cases)
-    names = names or args.cases.split(",")
+    names = case_names(args.cases, list(all_cases), list(extra))
     all_cases.update(extra)
     heads = list(HEADS) if args.heads == "all" else args.heads.split(",")
     hdr = header()

@@ -6,6 +6,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
@@ -49,3 +51,13 @@ def test_targets_say_met_missed_and_na():
     assert lines[5].endswith(
         "slower than torch varlen_attn: alpaca64k (0.75x) (of 2 cases with both)"
     )
+
+
+def test_case_names_expand_groups_inside_a_list():
+    issue, cross = ["alpaca64k", "128k"], ["64k_of_256", "4k+alpaca"]
+    assert bench_attention.case_names("crossover,128k", issue, cross) == [*cross, "128k"]
+    assert bench_attention.case_names("all", issue, cross) == issue
+    assert bench_attention.case_names("128k,all", issue, cross) == ["128k", "alpaca64k"]
+    for bad in ("crossover,nope", ""):
+        with pytest.raises(SystemExit, match="--cases"):
+            bench_attention.case_names(bad, issue, cross)
