@@ -40,7 +40,8 @@
 # also runs the TRL / mixed-precision files, whose trainers use the GPU when there is one.
 #
 # `suite` runs every GPU test in one pytest session spread over HF_VARLEN_GPU_WORKERS processes
-# (default 8; the Inductor tests are CPU-bound compiles) next to the TRL / mixed-precision files;
+# (default 8; the Inductor tests are CPU-bound compiles) next to the TRL / mixed-precision files,
+# then the `big_memory` ones (past 2^31 elements) alone;
 # it needs pytest-xdist and pytest-timeout among the carried wheels
 # (`pip download --no-deps pytest-xdist execnet pytest-timeout -d .gpu-wheels/base`).
 #
@@ -122,11 +123,15 @@ suite)
     trainer_files="tests/test_trl.py tests/test_trl_fused_loss.py tests/test_mixed_precision.py"
     opts=(--timeout 300 --durations 25)  # pytest-xdist and pytest-timeout load by entry point
     # -v: a run cut at its timeout still names every test that finished (95% took 420 s)
-    step suite_gpu 560 python3 -m pytest -v -m gpu -n "$workers" "${opts[@]}" \
+    step suite_gpu 470 python3 -m pytest -v -m "gpu and not big_memory" -n "$workers" "${opts[@]}" \
         --junitxml "$out/suite_gpu.xml" $gpu_files &
     step suite_trainers 300 python3 -m pytest -q -n 4 "${opts[@]}" \
         --junitxml "$out/suite_trainers.xml" $trainer_files &
     wait
+    # the past-2^31-element tests need tens of GiB each: alone, after the workers have exited
+    # (beside 7 other workers one ran out of memory, BENCHMARKS run L)
+    step suite_big_memory 110 python3 -m pytest -q -m "gpu and big_memory" -p no:xdist \
+        --junitxml "$out/suite_big_memory.xml" $gpu_files
     ;;
 pytest)
     shift 2

@@ -262,6 +262,7 @@ def _check_row_slices(kernel, reference, gate, up, out, dout, dgate, dup, rows, 
 
 
 @pytest.mark.gpu
+@pytest.mark.big_memory
 def test_swiglu_past_int32_elements_gpu(monkeypatch):
     """gate/up (150016, 14336) bf16: 2.15e9 elements each; rows past the 2^31 offset checked."""
     spy = LaunchSpy(glu._glu_fwd_kernel)
@@ -285,6 +286,7 @@ def test_swiglu_past_int32_elements_gpu(monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.big_memory
 def test_geglu_fused_view_past_int32_offsets_gpu():
     """h (80000, 2*14336): up = h[:, F:] ends past offset 2^31 though it has < 2^31 elements."""
     n_tok, n_ff = 80_000, 14336

@@ -238,6 +238,7 @@ def test_bf16_numerics_gpu(style):
 
 
 @pytest.mark.gpu
+@pytest.mark.big_memory
 def test_past_int32_elements_gpu(monkeypatch):
     """x (524416, 4096) bf16 > 2^31 elements; dy is zero outside the checked row slices, so the
     reference dweight over those slices is the exact target for the full reduction."""

@@ -555,6 +555,7 @@ def test_gpu_no_recompile_across_token_counts():
 
 
 @pytest.mark.gpu
+@pytest.mark.big_memory
 def test_gpu_past_int32_elements():
     """q (1, 32, T, 128) with T * 32 * 128 > 2^31: int64 path, checked on slices against the
     reference, including a document boundary beyond the 2^31st element."""

@@ -373,6 +373,7 @@ def test_gpu_ten_thousand_tiny_documents():
 
 
 @pytest.mark.gpu
+@pytest.mark.big_memory
 def test_gpu_int64_offsets_past_2_pow_31():
     # T * H_q * D > 2^31: offsets need int64 (LONG_INDEXING); check the last documents exactly.
     h_q, h_kv, d = 32, 8, 128
