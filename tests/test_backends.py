@@ -365,8 +365,10 @@ def test_auto_on_cuda_prefers_triton_and_fa4_for_long_documents(monkeypatch):
         (32768, 65536, 416, True),  # 32K + alpaca 32K
         (131072, 131072, 1, True),  # one 128K document
         (8, 8, 1, False),  # one tiny document
-        (65536, 65536, 257, False),  # max_seqlen = T: the CUDA-graph step's bound, not a length
-        (4096, 4096, 2, True),  # max = T over two documents: long by the mean alone
+        # max_seqlen = T over several documents: a bound (the CUDA-graph step's), not a length
+        (65536, 65536, 257, False),
+        (4096, 4096, 2, False),
+        (65536, 65536, 1, True),  # one document of T tokens
         (0, 0, 0, False),  # no documents
     ],
 )
@@ -486,7 +488,8 @@ def test_set_auto_order_takes_names_and_rules(monkeypatch):
         "sdpa",
         "reference",
     ]
-    assert rule.matches(10**9, 100, 10) and not rule.matches(10**9, 99, 10)  # max never decides
+    # the mean alone decides: a dominating longest document does not
+    assert rule.matches(50, 100, 10) and not rule.matches(90, 99, 10)
     with pytest.raises(ValueError, match="unknown backends"):
         registry.set_auto_order(
             "cpu", ["sdpa"], long_documents_first=[registry.LongDocumentsRule("x")]

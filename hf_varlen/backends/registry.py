@@ -168,18 +168,17 @@ def long_documents(
     defaults, on the H200 (BENCHMARKS run K) this matches the faster of triton and FA4 on every
     measured pack: alpaca 16K / 64K, 64K of 256-token documents and alpaca packs with one 1K / 4K /
     8K document are short; lima 64K, 64K of 512-4096-token documents, 128+128+4096, 8 x 8K,
-    32K + alpaca 32K, 128K long. The captured CUDA-graph step passes T as max_seqlen and a fixed
-    bound of documents (empty ones at the end), so there a pack only counts as long by its mean
-    over that bound: the rules then err towards our kernel, the graph-safe default."""
-    if n_docs <= 0:
+    32K + alpaca 32K, 128K long. A max_seqlen of >= T over several documents is a bound, not a
+    length: the captured CUDA-graph step passes T with a fixed count of offsets (empty documents
+    at the end), and such a pack never counts as long, so the step keeps our kernel, the
+    graph-safe default."""
+    if n_docs <= 0 or (max_seqlen >= total and n_docs > 1):
         return False
     if total >= mean_tokens * n_docs:
         return True
-    if work_ratio is None:  # max_seqlen is not looked at (no guard on it under torch.compile)
+    if work_ratio is None:
         return False
     rest = total - max_seqlen
-    if rest <= 0:  # max_seqlen >= T is only a bound (the CUDA-graph step passes T), not a length
-        return False
     return max_seqlen >= LONG_DOCUMENT_TOKENS and max_seqlen * max_seqlen >= work_ratio * rest
 
 

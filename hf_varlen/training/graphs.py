@@ -24,7 +24,9 @@ for the log and the non-finite policy, as the eager step reads them.
 
 The ints of a batch cannot change between replays, so ``max_length_q/k`` are given as the shape's
 token count T (an upper bound of every document in it, which FlashAttention semantics allow and
-our attention never sizes anything by); ``num_items_in_batch`` is a 0-d tensor filled per step.
+our attention never sizes anything by; "auto" reads such a bound as no length, so no
+long-documents rule moves the step off our kernel: ``backends.registry.long_documents``);
+``num_items_in_batch`` is a 0-d tensor filled per step.
 
 Requirements (``graph_blockers``; ``--cuda-graphs on`` raises with them, ``auto`` turns graphs
 off and says why): CUDA, ``--static-shapes``, one process, AdamW, no gradient checkpointing (its
