@@ -434,13 +434,30 @@ def test_auto_without_fa4_picks_the_faster_of_triton_and_torch(
     assert registry.resolve("auto", req).name == ("torch" if torch_faster else "triton")
 
 
-def test_auto_at_head_dim_128_keeps_triton_ahead_of_torch(monkeypatch):
-    """Run K / L: our long path beats torch on every pack at head dims 65-128, 128K included."""
+@pytest.mark.parametrize("fa4", [False, True])
+@pytest.mark.parametrize(
+    "pack", [(1004, 65536, 134), (8192, 65536, 8), (32768, 65536, 416), (131072, 131072, 1)]
+)
+def test_auto_at_head_dim_128_keeps_triton_ahead_of_torch(monkeypatch, fa4, pack):
+    """Runs K / L: at head dims 65-128 our long path beats torch on every measured long pack
+    (lima 64K, 8 x 8K, 32K + alpaca 32K, 128K), so only FA4 goes ahead of triton there."""
     from hf_varlen.backends import registry
 
-    monkeypatch.setattr(registry, "unavailable_reason", lambda n: None if n != "fa4" else "absent")
-    rules = [r for r in registry._AUTO_LONG_FIRST["cuda"] if r.covers(128)]
-    assert [r.name for r in rules] == ["fa4"]
+    monkeypatch.setattr(
+        registry, "unavailable_reason", lambda n: None if fa4 or n != "fa4" else "absent"
+    )
+    for head_dim in (80, 128):
+        req = registry.Request(
+            device="cuda",
+            dtype=torch.bfloat16,
+            head_dim=head_dim,
+            causal=True,
+            window=False,
+            softcap=False,
+            dropout=False,
+            pack=pack,
+        )
+        assert registry.resolve("auto", req).name == ("fa4" if fa4 else "triton")
 
 
 def test_long_documents_rules_follow_the_pack_under_auto_only(monkeypatch):

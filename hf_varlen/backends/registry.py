@@ -82,9 +82,9 @@ LONG_DOCUMENT_WORK = 1600  # max^2 / (T - max): 8K + alpaca 56K 1170 (ours), 32K
 
 @dataclass(frozen=True)
 class LongDocumentsRule:
-    """ "auto" tries backend ``name`` first for calls of head_dim in [min_head_dim, max_head_dim]
-    whose pack counts as one of long documents by these thresholds (``long_documents``); the
-    backend's usual place in the order is kept for the other calls."""
+    """When "auto" tries backend ``name`` first: for calls of head_dim in [min_head_dim,
+    max_head_dim] whose pack counts as one of long documents by these thresholds
+    (``long_documents``); the backend keeps its usual place in the order for the other calls."""
 
     name: str
     mean_tokens: int = MEAN_DOCUMENT_TOKENS
