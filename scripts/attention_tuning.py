@@ -308,3 +308,103 @@ def breakdown(all_cases, names, heads, dtype):
             del s
             torch.cuda.empty_cache()
     return out
+
+
+def _resident_per_sm(fn, device) -> list[dict]:
+    """Registers / shared memory of every compiled variant of the JIT kernel ``fn`` on ``device``
+    and how many of its programs fit on one SM at once (the persistent launch's ceiling)."""
+    props = torch.cuda.get_device_properties(device)
+    regs_sm = getattr(props, "regs_per_multiprocessor", 65536)
+    smem_sm = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)
+    threads_sm = getattr(props, "max_threads_per_multi_processor", 2048)
+    out = []
+    for cache in fn.device_caches.values():
+        for kern in cache[0].values():
+            warps, shared = kern.metadata.num_warps, kern.metadata.shared
+            by_regs = regs_sm // max(1, kern.n_regs * 32 * warps)
+            # a program reserves 1 KiB of shared memory beyond what the kernel declares
+            by_smem = smem_sm // (shared + 1024)
+            out.append(dict(n_regs=kern.n_regs, n_spills=kern.n_spills, shared=shared,
+                            warps=warps, stages=kern.metadata.num_stages, resident=min(by_regs, by_smem,
+                                                      threads_sm // (32 * warps))))  # fmt: skip
+    return out
+
+
+def _long_launch(s, c, kernel, fold, order, bound):
+    """A closure launching one kernel ("fwd", "dq", "kv") of config ``c`` over ``order``."""
+    from hf_varlen.ops.attention_bwd import backward_dkdv, backward_dq
+    from hf_varlen.ops.attention_fwd import attention_forward
+
+    p, kw = s["plan"], dict(softmax_scale=s["scale"], softcap=0.0, bound=bound)
+    if kernel == "fwd":
+        return lambda: attention_forward(
+            s["q"], s["k"], s["v"], p.lo_q, p.hi_q, order, fold=fold, block_m=c.fwd_block_m,
+            block_n=c.fwd_block_n, num_warps=c.fwd_warps, num_stages=c.fwd_stages, **kw,
+        )  # fmt: skip
+    if kernel == "dq":
+        return lambda: backward_dq(
+            s["do"], s["q"], s["k"], s["v"], s["o"], s["lse"], s["delta"], s["dq"], p.lo_q,
+            p.hi_q, order, fold=fold, block_m=c.dq_block_m, block_n=c.dq_block_n,
+            num_warps=c.dq_warps, num_stages=c.dq_stages, **kw,
+        )  # fmt: skip
+    return lambda: backward_dkdv(
+        s["do"], s["q"], s["k"], s["v"], s["lse"], s["delta"], s["dk"], s["dv"], p.qlo_k, p.qhi_k,
+        order, fold=fold, block_m=c.kv_block_m, block_n=c.kv_block_n, num_warps=c.kv_warps,
+        num_stages=c.kv_stages, **kw,
+    )  # fmt: skip
+
+
+def programs_sweep(all_cases, names, heads, dtype, per_sm=(1, 2, 3, 4)):
+    """Each kernel's long-path launch alone (persistent, over the plan's long tiles) at ``per_sm``
+    programs per SM, against the same tiles launched one program each (the hardware scheduler's
+    occupancy), with the compiled kernels' resources: the data behind LongPath.programs_per_sm."""
+    from hf_varlen.ops.attention_bwd import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel
+    from hf_varlen.ops.attention_fwd import _attn_fwd_kernel
+    from hf_varlen.ops.attention_schedule import (
+        _sm_count,
+        kernel_tiling,
+        pick_config,
+        pick_long_path,
+    )
+
+    out = []
+    for h in heads:
+        d = HEADS[h][2]
+        for case in names:
+            s = _triton_setup(all_cases[case], h, dtype)
+            dev = s["q"].device
+            long, short = pick_long_path(d, dtype, dev), pick_config(d, dtype, dev)
+            if long is None:
+                print(f"{h}: no long path")
+                break
+            c, p, sms = long.cfg, s["plan"], _sm_count(dev.index or 0)
+            launches = {}
+            for kernel, fn in (("fwd", _attn_fwd_kernel), ("dq", _attn_bwd_dq_kernel),
+                               ("kv", _attn_bwd_dkdv_kernel)):  # fmt: skip
+                fold, tile = kernel_tiling(c, kernel, s["group"])
+                side = "k" if kernel == "kv" else "q"
+                tile_s = kernel_tiling(short, kernel, s["group"])[1]
+                _, order_l, n_long = p.split(side, tile_s, tile, long.min_span)
+
+                def launch(bound, kernel=kernel, fold=fold, order=order_l, s=s, c=c):
+                    return _long_launch(s, c, kernel, fold, order, bound)
+
+                launches[kernel] = (fn, launch, n_long, order_l)
+            # delta = rowsum(dO * O) for the dK/dV runs, (H_q, T) fp32
+            s["delta"].copy_((s["o"].float() * s["do"].float()).sum(-1).t())
+            for kernel, (fn, launch, n_long, order_l) in launches.items():
+                row = dict(heads=h, case=case, kernel=kernel, n_long=int(n_long.item()),
+                           tiles=order_l.numel() - 1)  # fmt: skip
+                for n in per_sm:
+                    row[f"persistent x{n} ms"] = bench_ms(launch((n_long, sms * n)))
+                # the same long tiles, one program each (programs_per_sm 0)
+                row["one program per tile ms"] = bench_ms(launch((n_long, 0)))
+                try:
+                    row["compiled"] = _resident_per_sm(fn, dev)
+                except (AttributeError, IndexError, TypeError) as exc:  # triton internals moved
+                    row["compiled"] = f"n/a: {type(exc).__name__}: {exc}"
+                out.append(row)
+                print(json.dumps(row), flush=True)
+            del s
+            torch.cuda.empty_cache()
+    return out

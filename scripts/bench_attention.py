@@ -34,7 +34,7 @@ import torch._functorch.config as functorch_config
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from attention_cases import HEADS, cases, crossover_cases, floor_ms, make_lengths, useful_flops_fwd  # noqa: E402
 from attention_targets import targets  # noqa: E402
-from attention_tuning import best_config, breakdown, tune  # noqa: E402
+from attention_tuning import best_config, breakdown, programs_sweep, tune  # noqa: E402
 from bench_common import bench_ms  # noqa: E402
 from bench_common import run_header as header  # noqa: E402
 
@@ -363,9 +363,11 @@ def main(argv=None) -> None:
     )
     ap.add_argument(
         "--tune-set",
-        choices=["short", "long"],
+        choices=["short", "long", "programs"],
         default="short",
-        help="with --tune: the candidates for short-document tiles or for long-document tiles",
+        help="with --tune: the candidates for short-document tiles or for long-document tiles; "
+        "'programs': the shipped long config's persistent launches at 1-4 programs per SM "
+        "(LongPath.programs_per_sm) against one program per tile, with the compiled resources",
     )
     ap.add_argument(
         "--long-min-span",
@@ -391,7 +393,9 @@ def main(argv=None) -> None:
     dtype = getattr(torch, args.dtype)
     result = {"header": hdr}
     if args.tune or args.breakdown:
-        if args.tune:
+        if args.tune and args.tune_set == "programs":
+            result["programs"] = programs_sweep(all_cases, names, heads, dtype)
+        elif args.tune:
             result["tune"] = tune(all_cases, names, heads, dtype, args.tune_set)
             result["chosen"] = best_config(result["tune"])
             if args.write_config:  # usable via HF_VARLEN_TRITON_ATTN_CONFIG=<path>

@@ -2,8 +2,8 @@
 reaches ``min_span`` run in a second, persistent launch with bigger blocks.
 
 CPU (TRITON_INTERPRET=1): the interpreter's long path (32-row tiles from a span of 64, 3
-persistent programs) beside its 16-row short tiles: the row split is an exact partition, and
-mixed packs match the reference forward and backward, split and fused. GPU (marked): a long
+persistent programs, or one program per long tile) beside its 16-row short tiles: the row split
+is an exact partition, and mixed packs match the reference forward and backward, split and fused. GPU (marked): a long
 config given through the tuning override, bf16, long and short documents in one call.
 """
 
@@ -100,6 +100,26 @@ def test_mixed_pack_fused_backward(fused_backward):
     check([300, 20, 7, 150, 3], 4, 2, 16, torch.float32)
 
 
+@pytest.mark.parametrize("programs", [(0, 0, 0), (0, 1, 0)])
+def test_mixed_pack_one_program_per_long_tile(programs, monkeypatch):
+    """programs_per_sm 0: the long launch's grid is one program per tile of the long tiling and
+    the programs past the long tiles exit at once (head dim 64's shipped mode), mixed with
+    persistent kernels in one call."""
+    long = dataclasses.replace(attention_schedule._INTERPRETER_LONG, programs_per_sm=programs)
+    monkeypatch.setattr(attention, "pick_long_path", lambda *a: long)
+    check([300, 20, 7, 150, 3], 4, 2, 16, torch.float32)
+    check([5, 260, 1, 99], 4, 1, 16, torch.float32, causal=False)
+
+
+def test_launch_grid_is_fixed_by_the_order_not_the_long_tile_count():
+    from hf_varlen.ops.attention_fwd import launch_grid
+
+    order, n_long = torch.arange(9, dtype=torch.int32), torch.tensor([3], dtype=torch.int32)
+    assert launch_grid(order, 4, None) == (order, (32,))  # 8 tiles (the last entry: never run)
+    assert launch_grid(order, 4, (n_long, 0)) == (n_long, (32,))  # one program per tile
+    assert launch_grid(order, 4, (n_long, 396)) == (n_long, (396,))  # persistent
+
+
 def test_long_path_off_matches_too(monkeypatch):
     monkeypatch.setattr(attention, "pick_long_path", lambda *a: None)
     check([300, 20, 7, 150, 3], 4, 2, 16, torch.float32)
@@ -108,10 +128,13 @@ def test_long_path_off_matches_too(monkeypatch):
 def test_override_file_sets_the_long_path(tmp_path, monkeypatch):
     cfg = [128, 64, 8, 3, 16, 128, 64, 8, 2, 32, 128, 64, 8, 2, 8]
     path = tmp_path / "long.json"
-    path.write_text(json.dumps({"long128": cfg, "long_min_span": 512}))
+    path.write_text(
+        json.dumps({"long128": cfg, "long_min_span": 512, "long_programs_per_sm": [0, 2, 1]})
+    )
     monkeypatch.setenv("HF_VARLEN_TRITON_ATTN_CONFIG", str(path))
     long = attention_schedule.pick_long_path(128, torch.bfloat16, torch.device("cuda"))
     assert long.min_span == 512 and long.cfg.fwd_block_n == 64 and long.cfg.kv_block_n == 128
+    assert [long.programs(k) for k in ("fwd", "dq", "kv")] == [0, 2, 1]
     assert attention_schedule.pick_long_path(256, torch.bfloat16, torch.device("cuda")) is None
     assert attention_schedule.pick_long_path(128, torch.float32, torch.device("cuda")) is None
 
@@ -125,6 +148,8 @@ def test_shipped_long_path_on_cuda():
     tiling = {k: attention_schedule.kernel_tiling(long64.cfg, k, 4) for k in ("fwd", "dq", "kv")}
     assert tiling == {"fwd": (2, 64), "dq": (2, 64), "kv": (4, 64)}
     assert attention_schedule.kernel_tiling(long64.cfg, "fwd", 1) == (1, 128)
+    # head dim 64: one program per long tile (run M); 128: persistent, one program per SM
+    assert long64.programs_per_sm == (0, 0, 0) and long.programs_per_sm == (1, 1, 1)
 
 
 @pytest.mark.gpu

@@ -113,18 +113,18 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 def forward_launch(q, k, v, plan, softmax_scale, softcap, traceable=False):
     """Forward over a plan: (o (T_q, H_q, D), lse (H_q, T_q) fp32). q/k/v: unit last stride.
-    With a long path (attention_schedule.LongPath) the long-document tiles run in a second,
-    persistent launch with bigger blocks, writing their rows of the same o / lse."""
+    With a long path (attention_schedule.LongPath) the long-document tiles run in a second
+    launch with bigger blocks, writing their rows of the same o / lse."""
     cfg = pick_config(q.shape[2], q.dtype, q.device)
     long = pick_long_path(q.shape[2], q.dtype, q.device)
     out = None
-    for order, c, fold, persistent in launch_passes(
+    for order, c, fold, bound in launch_passes(
         plan, "fwd", cfg, long, q.shape[1] // k.shape[1], q.device
     ):
         out = attention_forward(
             q, k, v, plan.lo_q, plan.hi_q, order, softmax_scale=softmax_scale, softcap=softcap,
             fold=fold, block_m=c.fwd_block_m, block_n=c.fwd_block_n, num_warps=c.fwd_warps,
-            num_stages=c.fwd_stages, traceable=traceable, out=out, persistent=persistent,
+            num_stages=c.fwd_stages, traceable=traceable, out=out, bound=bound,
         )  # fmt: skip
     return out
 

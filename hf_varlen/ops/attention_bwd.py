@@ -36,6 +36,7 @@ from .attention_fwd import (
     _scores,
     _split,
     _tanh,
+    launch_grid,
     launcher,
     needs_long_indexing,
     score_constants,
@@ -170,9 +171,9 @@ def _attn_bwd_dq_kernel(
     T_q, T_k, N_HEAD_BLOCKS, scale_a, scale_b, sm_scale,
     GROUP: tl.constexpr, FOLD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
-    LONG_INDEXING: tl.constexpr, PERSISTENT: tl.constexpr,
+    LONG_INDEXING: tl.constexpr, PERSISTENT: tl.constexpr, BOUNDED: tl.constexpr,
 ):  # fmt: skip
-    """One program per work item, or PERSISTENT (see the forward kernel)."""
+    """One program per work item, or BOUNDED / PERSISTENT (see the forward kernel)."""
     # fp32 scalars (Inductor passes Python floats as fp64; see the forward kernel)
     scale_a = tl.cast(scale_a, tl.float32)
     scale_b = tl.cast(scale_b, tl.float32)
@@ -186,6 +187,12 @@ def _attn_bwd_dq_kernel(
         for work in range(pid, n_work, tl.num_programs(0)):
             _dq_tile(
                 work, *args, GROUP, FOLD, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, SOFTCAP, IEEE,
+                LONG_INDEXING,
+            )  # fmt: skip
+    elif BOUNDED:
+        if pid < tl.load(N_WORK) * N_HEAD_BLOCKS:
+            _dq_tile(
+                pid, *args, GROUP, FOLD, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, SOFTCAP, IEEE,
                 LONG_INDEXING,
             )  # fmt: skip
     else:
@@ -323,8 +330,9 @@ def _attn_bwd_dkdv_kernel(
     GROUP: tl.constexpr, FOLD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
     LONG_INDEXING: tl.constexpr, ATOMIC_DQ: tl.constexpr, PERSISTENT: tl.constexpr,
+    BOUNDED: tl.constexpr,
 ):  # fmt: skip
-    """One program per work item, or PERSISTENT (see the forward kernel)."""
+    """One program per work item, or BOUNDED / PERSISTENT (see the forward kernel)."""
     # fp32 scalars (Inductor passes Python floats as fp64; see the forward kernel)
     scale_a = tl.cast(scale_a, tl.float32)
     scale_b = tl.cast(scale_b, tl.float32)
@@ -339,6 +347,12 @@ def _attn_bwd_dkdv_kernel(
         for work in range(pid, n_work, tl.num_programs(0)):
             _dkdv_tile(
                 work, *args, GROUP, FOLD, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, SOFTCAP, IEEE,
+                LONG_INDEXING, ATOMIC_DQ,
+            )  # fmt: skip
+    elif BOUNDED:
+        if pid < tl.load(N_WORK) * H_KV:
+            _dkdv_tile(
+                pid, *args, GROUP, FOLD, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, SOFTCAP, IEEE,
                 LONG_INDEXING, ATOMIC_DQ,
             )  # fmt: skip
     else:
@@ -382,31 +396,24 @@ def _common(q, k, v, *more, softcap: float) -> dict:
     )  # fmt: skip
 
 
-def _work_and_grid(order, per_tile: int, persistent):
-    """(N_WORK argument, grid): one program per (tile, head block) of ``order`` but its never-
-    launched last entry, or the persistent launch's (tile count, fixed program count)."""
-    if persistent is None:
-        return order, ((order.numel() - 1) * per_tile,)
-    return persistent[0], (persistent[1],)
-
-
 def backward_dq(
     do, q, k, v, o, lse, delta, dq, lo_q, hi_q, order, *, softmax_scale: float, softcap: float,
     fold: int, block_m: int, block_n: int, num_warps: int, num_stages: int, traceable: bool = False,
-    persistent: tuple[torch.Tensor, int] | None = None,
+    bound: tuple[torch.Tensor, int] | None = None,
 ) -> None:  # fmt: skip
     """Launch the dQ kernel; writes dq and delta (H_q, T_q) in place (the rows of this launch's
-    tiles). ``persistent``: see attention_fwd.attention_forward."""
+    tiles). ``bound``: see attention_fwd.attention_forward."""
     scale_a, scale_b = score_constants(softmax_scale, softcap)
     n_head_blocks = q.shape[1] // fold
-    n_work, grid = _work_and_grid(order, n_head_blocks, persistent)
+    n_work, grid = launch_grid(order, n_head_blocks, bound)
     launcher(_attn_bwd_dq_kernel, traceable)[grid](
         q, k, v, o, do, lse, delta, dq, lo_q, hi_q, order, n_work,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         o.stride(0), o.stride(1), do.stride(0), do.stride(1), dq.stride(0), dq.stride(1),
         q.shape[0], k.shape[0], n_head_blocks, scale_a, scale_b, softmax_scale,
         FOLD=fold, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages,
-        PERSISTENT=persistent is not None, **_common(q, k, v, o, do, dq, softcap=softcap),
+        PERSISTENT=bound is not None and bound[1] > 0, BOUNDED=bound is not None,
+        **_common(q, k, v, o, do, dq, softcap=softcap),
     )  # fmt: skip
 
 
@@ -424,7 +431,7 @@ def backward_delta(o, do, delta, *, traceable: bool = False) -> None:
 def backward_dkdv(
     do, q, k, v, lse, delta, dk, dv, qlo_k, qhi_k, order, *, softmax_scale: float, softcap: float,
     fold: int, block_m: int, block_n: int, num_warps: int, num_stages: int, traceable: bool = False,
-    dq_acc: torch.Tensor | None = None, persistent: tuple[torch.Tensor, int] | None = None,
+    dq_acc: torch.Tensor | None = None, bound: tuple[torch.Tensor, int] | None = None,
 ) -> None:  # fmt: skip
     """Launch the dK/dV kernel (needs delta from backward_dq or backward_delta); writes dk, dv in
     place. With ``dq_acc`` ((T_q, H_q, D) fp32, zeroed) it also adds every tile's scale * dS K
@@ -432,14 +439,15 @@ def backward_dkdv(
     scale_a, scale_b = score_constants(softmax_scale, softcap)
     h_kv = k.shape[1]
     acc = dk if dq_acc is None else dq_acc  # a placeholder pointer when there is no fused dQ
-    n_work, grid = _work_and_grid(order, h_kv, persistent)
+    n_work, grid = launch_grid(order, h_kv, bound)
     launcher(_attn_bwd_dkdv_kernel, traceable)[grid](
         q, k, v, do, lse, delta, dk, dv, acc, qlo_k, qhi_k, order, n_work,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
         acc.stride(0), acc.stride(1), q.shape[0], k.shape[0], h_kv, scale_a, scale_b,
         softmax_scale, FOLD=fold, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
-        num_stages=num_stages, ATOMIC_DQ=dq_acc is not None, PERSISTENT=persistent is not None,
+        num_stages=num_stages, ATOMIC_DQ=dq_acc is not None,
+        PERSISTENT=bound is not None and bound[1] > 0, BOUNDED=bound is not None,
         **_common(q, k, v, do, dk, dv, *(() if dq_acc is None else (dq_acc,)), softcap=softcap),
     )  # fmt: skip
 
@@ -469,7 +477,7 @@ def attention_backward(
     at the price of an fp32 (T_q, H_q, D) buffer and a summation order that varies from run to run.
     ``deterministic`` is the caller's request for a bitwise-repeatable backward: it always gets
     the split one. ``long`` (attention_schedule.LongPath): each kernel runs twice, short-config
-    tiles then, persistent, the long-document tiles (each row still written by one program).
+    tiles then the long-document tiles (each row still written by one program).
     """
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
@@ -486,17 +494,17 @@ def attention_backward(
     else:
         dq_acc = None
         dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-        for order, c, fold, persistent in launch_passes(plan, "dq", cfg, long, group, q.device):
+        for order, c, fold, bound in launch_passes(plan, "dq", cfg, long, group, q.device):
             backward_dq(
                 do, q, k, v, o, lse, delta, dq, plan.lo_q, plan.hi_q, order, fold=fold,
                 block_m=c.dq_block_m, block_n=c.dq_block_n, num_warps=c.dq_warps,
-                num_stages=c.dq_stages, persistent=persistent, **kw,
+                num_stages=c.dq_stages, bound=bound, **kw,
             )  # fmt: skip
     kv_passes = launch_passes(plan, "kv", cfg, long, group, q.device)
-    for order, c, fold, persistent in kv_passes:  # after every dQ launch: they write delta
+    for order, c, fold, bound in kv_passes:  # after every dQ launch: they write delta
         backward_dkdv(
             do, q, k, v, lse, delta, dk, dv, plan.qlo_k, plan.qhi_k, order, fold=fold,
             block_m=c.kv_block_m, block_n=c.kv_block_n, num_warps=c.kv_warps,
-            num_stages=c.kv_stages, dq_acc=dq_acc, persistent=persistent, **kw,
+            num_stages=c.kv_stages, dq_acc=dq_acc, bound=bound, **kw,
         )  # fmt: skip
     return (dq_acc.to(q.dtype) if fused else dq), dk, dv

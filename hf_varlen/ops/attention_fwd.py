@@ -187,10 +187,11 @@ def _attn_fwd_kernel(
     T_q, T_k, N_HEAD_BLOCKS, scale_a, scale_b,
     GROUP: tl.constexpr, FOLD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
-    LONG_INDEXING: tl.constexpr, PERSISTENT: tl.constexpr,
+    LONG_INDEXING: tl.constexpr, PERSISTENT: tl.constexpr, BOUNDED: tl.constexpr,
 ):  # fmt: skip
-    """One program per work item, or (PERSISTENT) a fixed grid whose programs take work items
-    pid, pid + grid, ... of the first N_WORK[0] tiles of ORDER (x head blocks)."""
+    """One program per work item; BOUNDED: only the first N_WORK[0] tiles of ORDER are work (the
+    other programs exit at once); PERSISTENT: a fixed grid whose programs take work items
+    pid, pid + grid, ... of those (x head blocks)."""
     # Inductor types Python-float arguments as fp64 (eager triton: fp32); fp64 scores would change
     # the type of the loop-carried m_i and run fp64 math, so the scalars are fp32 from here on.
     scale_a = tl.cast(scale_a, tl.float32)
@@ -203,6 +204,12 @@ def _attn_fwd_kernel(
         for work in range(pid, n_work, tl.num_programs(0)):
             _fwd_tile(
                 work, *args, GROUP, FOLD, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, SOFTCAP, IEEE,
+                LONG_INDEXING,
+            )  # fmt: skip
+    elif BOUNDED:
+        if pid < tl.load(N_WORK) * N_HEAD_BLOCKS:
+            _fwd_tile(
+                pid, *args, GROUP, FOLD, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, SOFTCAP, IEEE,
                 LONG_INDEXING,
             )  # fmt: skip
     else:
@@ -219,6 +226,18 @@ def launcher(kernel, traceable: bool):
     if not traceable or not isinstance(kernel, triton.runtime.jit.JITFunction):
         return kernel
     return torch.library.wrap_triton(kernel)
+
+
+def launch_grid(order: torch.Tensor, per_tile: int, bound: tuple[torch.Tensor, int] | None):
+    """(N_WORK argument, grid) of a launch over ``order`` with ``per_tile`` programs per tile:
+    every tile but the never-launched last entry (N_WORK unused: ``order`` stands in); with
+    ``bound`` = (n_tiles, programs), the first n_tiles tiles only, by a persistent grid of
+    ``programs`` or, for 0, one program per tile of ``order`` whose programs past n_tiles exit at
+    once (a grid fixed by T either way: no host read of n_tiles)."""
+    if bound is None:
+        return order, ((order.numel() - 1) * per_tile,)
+    n_tiles, programs = bound
+    return n_tiles, ((programs,) if programs > 0 else ((order.numel() - 1) * per_tile,))
 
 
 def score_constants(softmax_scale: float, softcap: float) -> tuple[float, float]:
@@ -254,15 +273,15 @@ def attention_forward(
     num_stages: int,
     traceable: bool = False,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
-    persistent: tuple[torch.Tensor, int] | None = None,
+    bound: tuple[torch.Tensor, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernel; returns o (T_q, H_q, D) and lse (H_q, T_q) fp32 (natural log).
 
     ``traceable``: launch through ``torch.library.wrap_triton`` (inside the registered op, so
     torch.compile sees the kernel); eager calls launch the kernel directly (no HOP dispatch).
     ``out``: (o, lse) to write into (the rows of this launch's tiles) instead of new tensors.
-    ``persistent``: (n_tiles (1,) int32 on the device, programs): a fixed grid of ``programs``
-    that loops over the first n_tiles entries of ``order`` (the long-document launch)."""
+    ``bound``: (n_tiles (1,) int32 on the device, programs): only the first n_tiles entries of
+    ``order`` are work (the long-document launch, ``launch_grid``)."""
     t_q, h_q, dim = q.shape
     t_k, h_kv = k.shape[0], k.shape[1]
     if out is None:
@@ -274,10 +293,7 @@ def attention_forward(
         return o, lse
     scale_a, scale_b = score_constants(softmax_scale, softcap)
     n_head_blocks = h_q // fold
-    if persistent is None:
-        n_work, grid = order, ((order.numel() - 1) * n_head_blocks,)  # last entry: never launched
-    else:
-        n_work, grid = persistent[0], (persistent[1],)
+    n_work, grid = launch_grid(order, n_head_blocks, bound)
     launcher(_attn_fwd_kernel, traceable)[grid](
         q, k, v, o, lse, lo_q, hi_q, order, n_work,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -286,6 +302,7 @@ def attention_forward(
         GROUP=h_q // h_kv, FOLD=fold, HEAD_DIM=dim, BLOCK_D=max(16, triton.next_power_of_2(dim)),
         BLOCK_M=block_m, BLOCK_N=block_n, SOFTCAP=softcap > 0, IEEE=q.dtype == torch.float32,
         LONG_INDEXING=needs_long_indexing(q, k, v, o) or h_q * t_q >= 2**31,
-        PERSISTENT=persistent is not None, num_warps=num_warps, num_stages=num_stages,
+        PERSISTENT=bound is not None and bound[1] > 0, BOUNDED=bound is not None,
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return o, lse

@@ -92,12 +92,25 @@ _INTERPRETER_CONFIG = KernelConfig(16, 16, 1, 1, 4, 16, 16, 1, 1, 4, 16, 16, 1, 
 @dataclass(frozen=True)
 class LongPath:
     """The long-document path: tiles whose span (keys a query tile sees, or query rows that see a
-    key tile) is >= ``min_span`` run with ``cfg``'s bigger blocks, in a second, persistent launch
-    (a fixed grid of one program per SM looping over those tiles, heaviest first); the others run
-    with the short config as before. One call can mix both (``split_orders``)."""
+    key tile) is >= ``min_span`` run with ``cfg``'s bigger blocks in a second launch; the others
+    run with the short config as before. One call can mix both (``split_orders``).
+
+    ``programs_per_sm`` (forward, dQ, dK/dV) picks how that launch covers its tiles (the grid is
+    fixed by T either way, never by how many tiles are long):
+    - n > 0: persistent, n programs per SM loop over the long tiles, heaviest first. n must not
+      exceed the programs that fit on one SM at once, or the programs past one wave start only
+      after a whole loop of a resident one.
+    - 0: one program per tile of the long tiling; the programs past the long tiles exit at once.
+      Where the hardware scheduler keeps more programs per SM busy than a persistent grid does
+      (head dim 64's kernels, docs/BENCHMARKS.md run M), this is the faster one."""
 
     cfg: KernelConfig
     min_span: int
+    programs_per_sm: tuple[int, int, int] = (1, 1, 1)
+
+    def programs(self, kernel: str) -> int:
+        """Resident programs per SM of ``kernel`` ("fwd", "dq" or "kv") under this config."""
+        return self.programs_per_sm[("fwd", "dq", "kv").index(kernel)]
 
 
 # Tuned on the H200 (scripts/bench_attention.py --tune --tune-set long) over 1 x 32K + 32K alpaca
@@ -107,7 +120,9 @@ class LongPath:
 # from 82.7 to 74.4 ms against fold 1; 16/16 heads have no group to fold). head_dim 256: not
 # measured, no long path.
 _CUDA_LONG: dict[int, LongPath] = {
-    64: LongPath(KernelConfig(128, 64, 4, 3, 64, 128, 32, 8, 3, 64, 64, 64, 4, 2, 16), 1024),
+    64: LongPath(
+        KernelConfig(128, 64, 4, 3, 64, 128, 32, 8, 3, 64, 64, 64, 4, 2, 16), 1024, (0, 0, 0)
+    ),
     128: LongPath(KernelConfig(256, 64, 8, 3, 64, 128, 64, 8, 3, 64, 128, 64, 8, 3, 16), 1024),
 }
 # Different tiles from the short interpreter config (the split's lcm logic runs), a small span
@@ -122,12 +137,13 @@ def _load_overrides(path: str) -> dict:
     with open(path) as f:
         raw = json.load(f)
     out: dict = {}
+    programs = tuple(int(n) for n in raw.get("long_programs_per_sm", (1, 1, 1)))
     for k, v in raw.items():
-        if k == "long_min_span":
+        if k in ("long_min_span", "long_programs_per_sm"):
             continue
         cfg = KernelConfig(*v[:15], *map(bool, v[15:]))
         if k.startswith("long"):
-            out["long", int(k[4:])] = LongPath(cfg, int(raw.get("long_min_span", 2048)))
+            out["long", int(k[4:])] = LongPath(cfg, int(raw.get("long_min_span", 2048)), programs)
         else:
             out[int(k)] = cfg
     return out
@@ -135,7 +151,8 @@ def _load_overrides(path: str) -> dict:
 
 def _overrides() -> dict:
     """Configs from $HF_VARLEN_TRITON_ATTN_CONFIG, for tuning runs: JSON {"128": [15 ints
-    (+ bwd_fused 0/1)], "long128": [15 ints], "long_min_span": int, ...}."""
+    (+ bwd_fused 0/1)], "long128": [15 ints], "long_min_span": int, "long_programs_per_sm":
+    [fwd, dq, kv], ...}."""
     path = os.environ.get("HF_VARLEN_TRITON_ATTN_CONFIG")
     return _load_overrides(path) if path else {}
 
@@ -169,12 +186,16 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def persistent_programs(device: torch.device) -> int:
-    """Programs of a persistent launch: one per SM (big-tile kernels hold one program per SM);
-    3 under the interpreter, so CPU tests run programs that take several tiles each."""
+def persistent_programs(device: torch.device, per_sm: int = 1) -> int:
+    """Programs of a persistent launch: ``per_sm`` per SM (LongPath.programs_per_sm; 0: none, one
+    program per tile instead); 3 under the interpreter, so CPU tests run programs that take
+    several tiles each."""
+    if per_sm == 0:
+        return 0
     if device.type != "cuda":
         return 3
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _sm_count(index) * per_sm
 
 
 def fold_factor(group: int, block_m: int, min_tokens: int) -> int:
@@ -203,9 +224,10 @@ def kernel_tiling(cfg: KernelConfig, kernel: str, group: int) -> tuple[int, int]
 
 def launch_passes(plan, kernel: str, cfg: KernelConfig, long: LongPath | None, group: int,
                   device: torch.device) -> list:  # fmt: skip
-    """The launches of one kernel over a plan: [(order, config, fold, persistent)], the short
-    config's over every tile, or, with a long path, the short config's over the short tiles and
-    the long config's, persistent ((n_long, programs)), over the long ones (``split_orders``)."""
+    """The launches of one kernel over a plan: [(order, config, fold, bound)], the short config's
+    over every tile (bound None), or, with a long path, the short config's over the short tiles
+    and the long config's over the long ones (``split_orders``), bound = (n_long, persistent
+    programs or 0: attention_fwd.launch_grid)."""
     fold, tile = kernel_tiling(cfg, kernel, group)
     side = "k" if kernel == "kv" else "q"
     if long is None:
@@ -213,8 +235,8 @@ def launch_passes(plan, kernel: str, cfg: KernelConfig, long: LongPath | None, g
         return [(order, cfg, fold, None)]
     fold_l, tile_l = kernel_tiling(long.cfg, kernel, group)
     order_s, order_l, n_long = plan.split(side, tile, tile_l, long.min_span)
-    persistent = (n_long, persistent_programs(device))
-    return [(order_s, cfg, fold, None), (order_l, long.cfg, fold_l, persistent)]
+    bound = (n_long, persistent_programs(device, long.programs(kernel)))
+    return [(order_s, cfg, fold, None), (order_l, long.cfg, fold_l, bound)]
 
 
 @dataclass
@@ -335,7 +357,7 @@ def split_orders(
     long spans >= min_span over many short documents. order_s: heaviest_first's shape (n_s + 1,),
     the long blocks' short tiles replaced by the empty tile n_s (their programs do nothing).
     order_l: (n_l + 1,), the long tiles first, heaviest first; n_long (1,) int32: how many (the
-    persistent launch's work)."""
+    long launch's work)."""
     g = math.lcm(tile_s, tile_l)
     spans = {t: tile_spans(lo, hi, t) for t in {tile_s, tile_l}}
     span_l = spans[tile_l]
