@@ -356,8 +356,9 @@ def _long_launch(s, c, kernel, fold, order, bound):
 
 def programs_sweep(all_cases, names, heads, dtype, per_sm=(1, 2, 3, 4)):
     """Each kernel's long-path launch alone (persistent, over the plan's long tiles) at ``per_sm``
-    programs per SM, against the same tiles launched one program each (the hardware scheduler's
-    occupancy), with the compiled kernels' resources: the data behind LongPath.programs_per_sm."""
+    programs per SM, against one program per tile of the long tiling (programs_per_sm 0: the
+    hardware scheduler's occupancy; those past the long tiles exit at once), with the compiled
+    kernels' resources: the data behind LongPath.programs_per_sm."""
     from hf_varlen.ops.attention_bwd import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel
     from hf_varlen.ops.attention_fwd import _attn_fwd_kernel
     from hf_varlen.ops.attention_schedule import (

@@ -378,22 +378,23 @@ def test_long_documents_matches_the_measured_crossover(max_len, total, n_docs, l
     assert registry.long_documents(max_len, total, n_docs) is long
 
 
-# The packs of BENCHMARKS runs K / L where torch's varlen_attn and our kernel were timed side by
-# side (H200, f+b): (max_len, total, n_docs, torch faster). FA4 absent, "auto" must pick the faster.
+# The packs of BENCHMARKS runs K / L / M where torch's varlen_attn and our kernel were timed side
+# by side (H200, f+b): (max_len, total, n_docs, torch faster). FA4 absent, "auto" must pick the
+# faster. Head dim 64: run M (after its long launch stopped being persistent) for 32/8/64 and
+# 16/16/64, run L for the short packs that path does not touch; run L's 64K of 2048 / 4096-token
+# documents (torch faster then) were not measured again.
 _TORCH_VS_TRITON = {
-    64: [  # 32/8/64 (and 16/16/64 on 8 x 8K, 32K + 32K)
-        (388, 65536, 829, False),  # alpaca 64K
-        (1004, 65536, 134, False),  # lima 64K
-        (256, 65536, 256, False),
+    64: [
+        (388, 65536, 829, False),  # alpaca 64K: torch 2.9x / 1.6x our time (32/8, 16/16)
+        (1004, 65536, 134, False),  # lima 64K: 1.67x / 1.16x
+        (256, 65536, 256, False),  # run L, 32/8/64
         (512, 65536, 128, False),
         (1024, 65536, 64, False),  # torch 1.30x our time
-        (2048, 65536, 32, True),  # ours 1.17x torch's
-        (4096, 65536, 16, True),
         (4096, 65536, 777, False),  # alpaca + one 4K document
         (8192, 65536, 727, False),  # alpaca + one 8K document
-        (8192, 65536, 8, True),  # 8 x 8K
-        (32768, 65536, 416, False),  # 32K + alpaca 32K: torch 1.08x our time
-        (131072, 131072, 1, True),  # one 128K document
+        (8192, 65536, 8, False),  # 8 x 8K, 32/8/64: torch 1.11x our time
+        (32768, 65536, 416, False),  # 32K + alpaca 32K: 1.67x / 1.63x
+        (131072, 131072, 1, False),  # one 128K document: 1.06x / 1.04x
     ],
     256: [  # 16/8/256
         (388, 65536, 829, False),  # alpaca 64K
@@ -411,9 +412,20 @@ _TORCH_VS_TRITON = {
 }
 
 
+_TORCH_FASTER_UNSEEN = pytest.param(
+    64, 8192, 65536, 8, True,
+    marks=pytest.mark.xfail(
+        strict=True,
+        reason="16/16/64 on 8 x 8K: torch 14.13 ms against our 14.66 (run M); the rules see the "
+        "head dim, not the head counts, and at 32/8/64 the same pack is ours by 1.11x",
+    ),
+)  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "head_dim,max_len,total,n_docs,torch_faster",
-    [(d, *pack) for d, packs in _TORCH_VS_TRITON.items() for pack in packs],
+    [(d, *pack) for d, packs in _TORCH_VS_TRITON.items() for pack in packs]
+    + [_TORCH_FASTER_UNSEEN],
 )
 def test_auto_without_fa4_picks_the_faster_of_triton_and_torch(
     monkeypatch, head_dim, max_len, total, n_docs, torch_faster

@@ -117,8 +117,11 @@ class LongPath:
 # and 8 x 8K (docs/BENCHMARKS.md): head_dim 128 with 32/8 heads (run G: bigger steps, 8 warps),
 # head_dim 64 with 16/16 heads (run H) and 32/8 heads (run L: folding 2 / 2 / 4 heads of a KV
 # group into the forward / dQ / dK-dV tiles took 8 x 8K from 45.1 to 39.8 ms f+b and 32K + 32K
-# from 82.7 to 74.4 ms against fold 1; 16/16 heads have no group to fold). head_dim 256: not
-# measured, no long path.
+# from 82.7 to 74.4 ms against fold 1; 16/16 heads have no group to fold). Head dim 64 launches
+# one program per long tile (run M: its 4-warp kernels at one persistent program per SM took
+# 1.4-1.9x that time; f+b 1.5x faster on 8 x 8K, 32K + 32K and 128K); head dim 128 stays
+# persistent (run M: one program per tile was 2-5% faster on long documents, 1-3% slower on
+# short packs). head_dim 256: not measured, no long path.
 _CUDA_LONG: dict[int, LongPath] = {
     64: LongPath(
         KernelConfig(128, 64, 4, 3, 64, 128, 32, 8, 3, 64, 64, 64, 4, 2, 16), 1024, (0, 0, 0)
