@@ -168,10 +168,37 @@ def best_config(rows, min_tokens_floor=8):
     return cfg
 
 
+def _compiled(fn) -> dict:
+    """{cache key: compiled kernel} of the JIT kernel ``fn`` over every device it ran on."""
+    return {k: v for cache in fn.device_caches.values() for k, v in cache[0].items()}
+
+
+def _new_variants(fn, before: dict) -> list[dict]:
+    """Registers and spills of the variants of ``fn`` compiled since ``before`` (_compiled)."""
+    try:
+        return [
+            dict(n_regs=v.n_regs, n_spills=v.n_spills, shared=v.metadata.shared)
+            for k, v in _compiled(fn).items()
+            if k not in before
+        ]
+    except (AttributeError, IndexError, TypeError):  # triton internals moved
+        return []
+
+
+def _kernel_fns() -> dict:
+    from hf_varlen.ops.attention_bwd import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel
+    from hf_varlen.ops.attention_fwd import _attn_fwd_kernel
+
+    return {"fwd": _attn_fwd_kernel, "dq": _attn_bwd_dq_kernel, "dkdv": _attn_bwd_dkdv_kernel}
+
+
 def tune(all_cases, names, heads, dtype, tune_set="short"):
-    """Time every candidate config (x GQA fold) of each kernel on each case; print the best."""
+    """Time every candidate config (x GQA fold) of each kernel on each case; print the best, with
+    the registers and spills of each candidate's compiled kernel (spilling long-path kernels at
+    head dim 128 were found in run M)."""
     fwd_c, dq_c, dkdv_c = CANDIDATES[tune_set]
-    out = []
+    fns = _kernel_fns()
+    out, variants = [], {}  # (heads, kernel, config, fold) -> compiled variants (first compile)
     for h in heads:
         for case in names:
             s = _triton_setup(all_cases[case], h, dtype)
@@ -185,6 +212,7 @@ def tune(all_cases, names, heads, dtype, tune_set="short"):
                 res = []
                 for c in cands:
                     for f in _folds(s["group"], c[1] if kernel == "dkdv" else c[0]):
+                        before = _compiled(fns[kernel])
                         try:
                             ms = bench_ms(launch[kernel](*c, f))
                         except Exception as exc:  # e.g. out of shared memory for this config
@@ -193,9 +221,19 @@ def tune(all_cases, names, heads, dtype, tune_set="short"):
                                 f"  {kernel} {c} fold {f}: {type(exc).__name__}: {str(exc)[:100]}"
                             )
                         res.append((ms, c, f))
-                        out.append(dict(heads=h, case=case, kernel=kernel, config=c, fold=f, ms=ms))
+                        key = (h, kernel, tuple(c), f)
+                        variants[key] = _new_variants(fns[kernel], before) or variants.get(key, [])
+                        out.append(dict(heads=h, case=case, kernel=kernel, config=c, fold=f, ms=ms,
+                                        compiled=variants[key]))  # fmt: skip
                 res = sorted(r for r in res if not math.isnan(r[0]))
-                top = ", ".join(f"{c} f{f}: {ms:.3f}" for ms, c, f in res[:4])
+                top = ", ".join(
+                    f"{c} f{f}: {ms:.3f}"
+                    + "".join(
+                        f" [{v['n_regs']} regs, {v['n_spills']} spilled]"
+                        for v in variants.get((h, kernel, tuple(c), f), [])
+                    )  # fmt: skip
+                    for ms, c, f in res[:4]
+                )
                 print(f"{h} {case} {kernel}: best {top}", flush=True)
             del s
             torch.cuda.empty_cache()
