@@ -109,7 +109,8 @@ class LongPath:
     programs_per_sm: tuple[int, int, int] = (1, 1, 1)
 
     def programs(self, kernel: str) -> int:
-        """Resident programs per SM of ``kernel`` ("fwd", "dq" or "kv") under this config."""
+        """Persistent programs per SM of ``kernel``'s long launch ("fwd", "dq" or "kv"); 0: one
+        program per tile instead."""
         return self.programs_per_sm[("fwd", "dq", "kv").index(kernel)]
 
 
