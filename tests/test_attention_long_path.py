@@ -111,6 +111,12 @@ def test_mixed_pack_one_program_per_long_tile(programs, monkeypatch):
     check([5, 260, 1, 99], 4, 1, 16, torch.float32, causal=False)
 
 
+def test_mixed_pack_fused_backward_one_program_per_long_tile(fused_backward, monkeypatch):
+    long = dataclasses.replace(attention_schedule._INTERPRETER_LONG, programs_per_sm=(0, 0, 0))
+    monkeypatch.setattr(attention, "pick_long_path", lambda *a: long)
+    check([300, 20, 7, 150, 3], 4, 2, 16, torch.float32)
+
+
 def test_launch_grid_is_fixed_by_the_order_not_the_long_tile_count():
     from hf_varlen.ops.attention_fwd import launch_grid
 
