@@ -145,6 +145,16 @@ def test_override_file_sets_the_long_path(tmp_path, monkeypatch):
     assert attention_schedule.pick_long_path(128, torch.float32, torch.device("cuda")) is None
 
 
+@pytest.mark.parametrize("programs", [[1, 1], [1, -1, 1], [1, 1.5, 1]])
+def test_override_file_rejects_bad_programs_per_sm(programs, tmp_path, monkeypatch):
+    cfg = [128, 64, 8, 3, 16, 128, 64, 8, 2, 32, 128, 64, 8, 2, 8]
+    path = tmp_path / "long.json"
+    path.write_text(json.dumps({"long128": cfg, "long_programs_per_sm": programs}))
+    monkeypatch.setenv("HF_VARLEN_TRITON_ATTN_CONFIG", str(path))
+    with pytest.raises(ValueError, match="long_programs_per_sm.*3 ints >= 0"):
+        attention_schedule.pick_long_path(128, torch.bfloat16, torch.device("cuda"))
+
+
 def test_shipped_long_path_on_cuda():
     long = attention_schedule.pick_long_path(128, torch.bfloat16, torch.device("cuda"))
     assert long is not None and long.min_span == 1024 and long.cfg.fwd_warps == 8

@@ -108,6 +108,14 @@ class LongPath:
     min_span: int
     programs_per_sm: tuple[int, int, int] = (1, 1, 1)
 
+    def __post_init__(self):
+        p = self.programs_per_sm
+        if len(p) != 3 or any(not isinstance(n, int) or n < 0 for n in p):
+            raise ValueError(
+                f"LongPath.programs_per_sm must be 3 ints >= 0 (forward, dQ, dK/dV; 0 = one "
+                f"program per tile), got {p!r}"
+            )
+
     def programs(self, kernel: str) -> int:
         """Persistent programs per SM of ``kernel``'s long launch ("fwd", "dq" or "kv"); 0: one
         program per tile instead."""
@@ -141,13 +149,18 @@ def _load_overrides(path: str) -> dict:
     with open(path) as f:
         raw = json.load(f)
     out: dict = {}
-    programs = tuple(int(n) for n in raw.get("long_programs_per_sm", (1, 1, 1)))
+    programs = tuple(raw.get("long_programs_per_sm", (1, 1, 1)))
     for k, v in raw.items():
         if k in ("long_min_span", "long_programs_per_sm"):
             continue
         cfg = KernelConfig(*v[:15], *map(bool, v[15:]))
         if k.startswith("long"):
-            out["long", int(k[4:])] = LongPath(cfg, int(raw.get("long_min_span", 2048)), programs)
+            try:
+                out["long", int(k[4:])] = LongPath(
+                    cfg, int(raw.get("long_min_span", 2048)), programs
+                )
+            except ValueError as exc:
+                raise ValueError(f"{path}: long_programs_per_sm: {exc}") from None
         else:
             out[int(k)] = cfg
     return out
