@@ -412,6 +412,22 @@ _TORCH_VS_TRITON = {
 }
 
 
+def _bf16_causal_cuda_request(head_dim: int, pack: tuple[int, int, int]):
+    """A plain bf16 causal CUDA call (no window, softcap or dropout) over ``pack``."""
+    from hf_varlen.backends import registry
+
+    return registry.Request(
+        device="cuda",
+        dtype=torch.bfloat16,
+        head_dim=head_dim,
+        causal=True,
+        window=False,
+        softcap=False,
+        dropout=False,
+        pack=pack,
+    )
+
+
 _TORCH_FASTER_UNSEEN = pytest.param(
     64, 8192, 65536, 8, True,
     marks=pytest.mark.xfail(
@@ -433,16 +449,7 @@ def test_auto_without_fa4_picks_the_faster_of_triton_and_torch(
     from hf_varlen.backends import registry
 
     monkeypatch.setattr(registry, "unavailable_reason", lambda n: None if n != "fa4" else "absent")
-    req = registry.Request(
-        device="cuda",
-        dtype=torch.bfloat16,
-        head_dim=head_dim,
-        causal=True,
-        window=False,
-        softcap=False,
-        dropout=False,
-        pack=(max_len, total, n_docs),
-    )
+    req = _bf16_causal_cuda_request(head_dim, (max_len, total, n_docs))
     assert registry.resolve("auto", req).name == ("torch" if torch_faster else "triton")
 
 
@@ -459,16 +466,7 @@ def test_auto_at_head_dim_128_keeps_triton_ahead_of_torch(monkeypatch, fa4, pack
         registry, "unavailable_reason", lambda n: None if fa4 or n != "fa4" else "absent"
     )
     for head_dim in (80, 128):
-        req = registry.Request(
-            device="cuda",
-            dtype=torch.bfloat16,
-            head_dim=head_dim,
-            causal=True,
-            window=False,
-            softcap=False,
-            dropout=False,
-            pack=pack,
-        )
+        req = _bf16_causal_cuda_request(head_dim, pack)
         assert registry.resolve("auto", req).name == ("fa4" if fa4 else "triton")
 
 
