@@ -317,7 +317,7 @@ def breakdown(all_cases, names, heads, dtype):
 
             fwd_c = (cfg.fwd_block_m, cfg.fwd_block_n, cfg.fwd_warps, cfg.fwd_stages, f_fwd)
             dq_c = (cfg.dq_block_m, cfg.dq_block_n, cfg.dq_warps, cfg.dq_stages, f_dq)
-            kv_c = (cfg.kv_block_n, cfg.kv_block_m, cfg.kv_warps, cfg.kv_stages, f_kv)
+            kv_c = (cfg.kv_block_n, cfg.kv_block_m, cfg.kv_warps, cfg.kv_stages_at(f_kv), f_kv)
             times = {
                 "plan": bench_ms(plan_build),
                 "fwd": bench_ms(launch["fwd"](*fwd_c)),
@@ -408,7 +408,7 @@ def _long_launch(s, c, kernel, fold, order, bound):
     return lambda: backward_dkdv(
         s["do"], s["q"], s["k"], s["v"], s["lse"], s["delta"], s["dk"], s["dv"], p.qlo_k, p.qhi_k,
         order, fold=fold, block_m=c.kv_block_m, block_n=c.kv_block_n, num_warps=c.kv_warps,
-        num_stages=c.kv_stages, **kw,
+        num_stages=c.kv_stages_at(fold), **kw,
     )  # fmt: skip
 
 

@@ -295,6 +295,47 @@ def test_tuning_override_sets_the_fused_backward(tmp_path, monkeypatch):
     assert sched._overrides()[64].bwd_fused is False
 
 
+def test_dkdv_pipeline_stages_follow_the_gqa_fold(tmp_path, monkeypatch):
+    """Head dim 128 ships 3 dK/dV stages where heads fold into the steps, 2 where none do (H200
+    run N); a tuning override's 17th entry sets the unfolded depth."""
+    from hf_varlen.ops import attention_schedule as sched
+
+    c128, c64 = sched._CUDA_CONFIGS[128], sched._CUDA_CONFIGS[64]
+    assert (c128.kv_stages_at(4), c128.kv_stages_at(2), c128.kv_stages_at(1)) == (3, 3, 2)
+    assert (c64.kv_stages_at(4), c64.kv_stages_at(1)) == (2, 2)
+    cfg = [128, 32, 4, 3, 16, 64, 64, 4, 2, 32, 64, 32, 4, 3, 8]
+    path = tmp_path / "cfg.json"
+    path.write_text(f'{{"128": {cfg + [0, 1]}, "64": {cfg}}}')
+    monkeypatch.setenv("HF_VARLEN_TRITON_ATTN_CONFIG", str(path))
+    assert sched._overrides()[128].kv_stages_at(1) == 1
+    assert sched._overrides()[128].kv_stages_at(4) == 3
+    assert sched._overrides()[64].kv_stages_at(1) == 3
+
+
+@pytest.mark.parametrize("h_q, h_kv, fold_stages", [(2, 2, 1), (4, 2, 2)])
+def test_dkdv_launch_takes_the_stages_of_its_fold(h_q, h_kv, fold_stages, monkeypatch):
+    """The backward launches dK/dV with ``kv_stages_at(fold)``: unfolded MHA steps get
+    kv_stages_unfolded, folded GQA steps kv_stages."""
+    import dataclasses
+
+    from hf_varlen.ops import attention, attention_bwd, attention_schedule
+
+    cfg = dataclasses.replace(attention_schedule._INTERPRETER_CONFIG, kv_stages=2,
+                              kv_stages_unfolded=1)  # fmt: skip
+    monkeypatch.setattr(attention, "pick_config", lambda *a: cfg)
+    monkeypatch.setattr(attention, "pick_long_path", lambda *a: None)
+    stages = []
+    real = attention_bwd.backward_dkdv
+    monkeypatch.setattr(
+        attention_bwd,
+        "backward_dkdv",
+        lambda *a, **k: (stages.append((k["fold"], k["num_stages"])), real(*a, **k)),
+    )
+    check([21, 40, 4], h_q, h_kv, 16, torch.float32)
+    fold = h_q // h_kv
+    assert stages and set(stages) == {(fold, fold_stages)}
+
+
 def test_lse_is_returned():
     lengths = [6, 1, 0, 9]
     q, k, v = make_qkv(lengths, 2, 1, 16, torch.float32, DEVICE)

@@ -505,6 +505,6 @@ def attention_backward(
         backward_dkdv(
             do, q, k, v, lse, delta, dk, dv, plan.qlo_k, plan.qhi_k, order, fold=fold,
             block_m=c.kv_block_m, block_n=c.kv_block_n, num_warps=c.kv_warps,
-            num_stages=c.kv_stages, dq_acc=dq_acc, bound=bound, **kw,
+            num_stages=c.kv_stages_at(fold), dq_acc=dq_acc, bound=bound, **kw,
         )  # fmt: skip
     return (dq_acc.to(q.dtype) if fused else dq), dk, dv

@@ -76,15 +76,27 @@ class KernelConfig:
     # caller did not ask for a deterministic backward (attention_bwd.attention_backward). Off by
     # default until the H200 shows where it wins; a tuning override may set it (16th entry).
     bwd_fused: bool = False
+    # Pipeline stages of the dK/dV kernel where no query heads fold into its steps (fold 1: MHA,
+    # or a GQA group with no divisor that keeps kv_min_tokens, e.g. 40/8 heads); 0 = kv_stages.
+    # At head dim 128 the best depth depends on the fold (docs/BENCHMARKS.md run N: 3 stages took
+    # 32/8/128's fold-4 dK/dV 12-19% faster, 40/8/128's fold-1 one 9-22% slower f+b).
+    kv_stages_unfolded: int = 0
+
+    def kv_stages_at(self, fold: int) -> int:
+        """Pipeline stages of the dK/dV kernel at this GQA fold."""
+        return self.kv_stages_unfolded if fold == 1 and self.kv_stages_unfolded else self.kv_stages
 
 
 # Tuned on the H200 (scripts/bench_attention.py --tune) over packs of real alpaca and lima lengths
 # and 1 x 32K + 32K alpaca; tiles of long documents take the long path below where there is one.
-# Head dim 128's dK/dV runs 3 pipeline stages (run N, short-tile sweep at 32/8/128: dK/dV alone
-# alpaca64k 1.028 -> 0.878 ms, lima64k 2.274 -> 1.996, alpaca16k 0.320 -> 0.260 against 2 stages).
+# Head dim 128's dK/dV runs 3 pipeline stages where query heads fold into its steps and 2 where
+# none do (run N: the short-tile sweep at 32/8/128, fold 4, dK/dV alone alpaca64k 1.028 -> 0.878
+# ms, lima64k 2.274 -> 1.996, alpaca16k 0.320 -> 0.260 against 2 stages; f+b alpaca64k 3.309 ->
+# 3.143, lima64k 5.903 -> 5.540; at 40/8/128, fold 1, 3 stages made f+b alpaca64k 4.893 -> 5.957).
+# Head dim 64 keeps 2 (run N: 3 stages within -4% / +3% f+b at 32/8/64 and 16/16/64).
 _CUDA_CONFIGS = {
     64: KernelConfig(128, 32, 4, 3, 16, 64, 64, 4, 2, 32, 64, 32, 4, 2, 8),
-    128: KernelConfig(128, 32, 4, 3, 16, 64, 64, 4, 2, 32, 64, 32, 4, 3, 8),
+    128: KernelConfig(128, 32, 4, 3, 16, 64, 64, 4, 2, 32, 64, 32, 4, 3, 8, kv_stages_unfolded=2),
     # head_dim 256: smaller tiles so the fp32 accumulators fit in registers / shared memory
     256: KernelConfig(64, 32, 4, 2, 16, 64, 32, 4, 1, 32, 32, 32, 4, 1, 8),
 }
@@ -155,7 +167,7 @@ def _load_overrides(path: str) -> dict:
     for k, v in raw.items():
         if k in ("long_min_span", "long_programs_per_sm"):
             continue
-        cfg = KernelConfig(*v[:15], *map(bool, v[15:]))
+        cfg = KernelConfig(*v[:15], *map(bool, v[15:16]), *map(int, v[16:17]))
         if k.startswith("long"):
             try:
                 out["long", int(k[4:])] = LongPath(
@@ -170,7 +182,7 @@ def _load_overrides(path: str) -> dict:
 
 def _overrides() -> dict:
     """Configs from $HF_VARLEN_TRITON_ATTN_CONFIG, for tuning runs: JSON {"128": [15 ints
-    (+ bwd_fused 0/1)], "long128": [15 ints], "long_min_span": int, "long_programs_per_sm":
+    (+ bwd_fused 0/1, + kv_stages_unfolded)], "long128": [15 ints], "long_min_span": int, "long_programs_per_sm":
     [fwd, dq, kv], ...}."""
     path = os.environ.get("HF_VARLEN_TRITON_ATTN_CONFIG")
     return _load_overrides(path) if path else {}
