@@ -40,13 +40,7 @@ import torch
 
 from .attention_bwd import attention_backward
 from .attention_fwd import attention_forward
-from .attention_schedule import (
-    get_plan,
-    launch_passes,
-    pick_config,
-    pick_group_path,
-    pick_long_path,
-)
+from .attention_schedule import get_plan, launch_passes, pick_config, pick_long_path
 from .common import causal_window, deterministic_requested
 from .library import compiling
 
@@ -144,7 +138,6 @@ def backward_launch(
         softmax_scale=softmax_scale, softcap=softcap,
         cfg=pick_config(q.shape[2], q.dtype, q.device), deterministic=deterministic,
         traceable=traceable, long=pick_long_path(q.shape[2], q.dtype, q.device),
-        groups=pick_group_path(q.shape[2], q.dtype, q.device),
     )  # fmt: skip
 
 

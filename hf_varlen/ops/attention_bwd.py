@@ -41,7 +41,6 @@ from .attention_fwd import (
     needs_long_indexing,
     score_constants,
 )
-from .attention_groups import backward_groups
 from .attention_schedule import launch_passes
 
 
@@ -468,7 +467,6 @@ def attention_backward(
     deterministic: bool = False,
     traceable: bool = False,
     long=None,
-    groups=None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dQ (+delta) then dK/dV over the plan's heaviest-first orders; returns dq, dk, dv.
 
@@ -479,10 +477,7 @@ def attention_backward(
     at the price of an fp32 (T_q, H_q, D) buffer and a summation order that varies from run to run.
     ``deterministic`` is the caller's request for a bitwise-repeatable backward: it always gets
     the split one. ``long`` (attention_schedule.LongPath): each kernel runs twice, short-config
-    tiles then the long-document tiles (each row still written by one program). ``groups``
-    (attention_schedule.GroupPath, split backward only): documents of at most ``groups.capacity``
-    tokens go to the group kernel (attention_groups.py), launched after the split kernels, which
-    skip those documents' rows (each row's final values still come from one program).
+    tiles then the long-document tiles (each row still written by one program).
     """
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
@@ -493,31 +488,23 @@ def attention_backward(
     delta = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
     kw = dict(softmax_scale=softmax_scale, softcap=softcap, traceable=traceable)
     group = q.shape[1] // k.shape[1]
-    grouped = groups is not None and not fused and plan.cu_q is not None and plan.cu_q.numel() >= 2
-    split_plan, tables, n_groups = plan.grouped(groups.capacity) if grouped else (plan, None, None)
     if fused:
         dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         backward_delta(o, do, delta, traceable=traceable)
     else:
         dq_acc = None
         dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-        for order, c, fold, bound in launch_passes(split_plan, "dq", cfg, long, group, q.device):
+        for order, c, fold, bound in launch_passes(plan, "dq", cfg, long, group, q.device):
             backward_dq(
-                do, q, k, v, o, lse, delta, dq, split_plan.lo_q, split_plan.hi_q, order, fold=fold,
+                do, q, k, v, o, lse, delta, dq, plan.lo_q, plan.hi_q, order, fold=fold,
                 block_m=c.dq_block_m, block_n=c.dq_block_n, num_warps=c.dq_warps,
                 num_stages=c.dq_stages, bound=bound, **kw,
             )  # fmt: skip
-    kv_passes = launch_passes(split_plan, "kv", cfg, long, group, q.device)
+    kv_passes = launch_passes(plan, "kv", cfg, long, group, q.device)
     for order, c, fold, bound in kv_passes:  # after every dQ launch: they write delta
         backward_dkdv(
-            do, q, k, v, lse, delta, dk, dv, split_plan.qlo_k, split_plan.qhi_k, order, fold=fold,
+            do, q, k, v, lse, delta, dk, dv, plan.qlo_k, plan.qhi_k, order, fold=fold,
             block_m=c.kv_block_m, block_n=c.kv_block_n, num_warps=c.kv_warps,
             num_stages=c.kv_stages_at(fold), dq_acc=dq_acc, bound=bound, **kw,
-        )  # fmt: skip
-    if grouped:  # last: it overwrites the zeros the split kernels wrote into owned rows
-        backward_groups(
-            do, q, k, v, o, lse, dq, dk, dv, plan.lo_q, plan.hi_q, tables, n_groups,
-            block_q=groups.block_q, block_k=groups.capacity, num_warps=groups.warps,
-            num_stages=groups.stages, **kw,
         )  # fmt: skip
     return (dq_acc.to(q.dtype) if fused else dq), dk, dv

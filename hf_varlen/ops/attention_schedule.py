@@ -158,31 +158,6 @@ _INTERPRETER_LONG = LongPath(
 )
 
 
-@dataclass(frozen=True)
-class GroupPath:
-    """The backward's whole-document groups (attention_groups.py): documents of at most
-    ``capacity`` tokens (query and key side) take one program per group and KV head, doing dQ, dK
-    and dV at once in steps of ``block_q`` query rows; every other row takes the split kernels."""
-
-    capacity: int
-    block_q: int
-    warps: int
-    stages: int
-
-    def __post_init__(self):
-        if self.capacity < 16 or self.capacity & (self.capacity - 1) or self.block_q < 16:
-            raise ValueError(
-                f"GroupPath: capacity must be a power of two >= 16 and block_q >= 16, got "
-                f"capacity={self.capacity}, block_q={self.block_q}"
-            )
-
-
-# Not shipped on CUDA until measured on the H200 (the tuning override's "group64" / "group128" key
-# sets one); on under the interpreter so the CPU tests run it for documents of <= 32 tokens.
-_CUDA_GROUPS: dict[int, GroupPath] = {}
-_INTERPRETER_GROUPS = GroupPath(32, 16, 1, 1)
-
-
 @functools.lru_cache(maxsize=4)
 def _load_overrides(path: str) -> dict:
     with open(path) as f:
@@ -191,12 +166,6 @@ def _load_overrides(path: str) -> dict:
     programs = tuple(raw.get("long_programs_per_sm", (1, 1, 1)))
     for k, v in raw.items():
         if k in ("long_min_span", "long_programs_per_sm"):
-            continue
-        if k.startswith("group"):  # [capacity, block_q, warps, stages]; [] or [0, ...]: off
-            try:
-                out["group", int(k[5:])] = GroupPath(*v) if v and v[0] else None
-            except (TypeError, ValueError) as exc:
-                raise ValueError(f"{path}: {k}: {exc}") from None
             continue
         cfg = KernelConfig(*v[:15], *map(bool, v[15:16]), *map(int, v[16:17]))
         if k.startswith("long"):
@@ -214,7 +183,7 @@ def _load_overrides(path: str) -> dict:
 def _overrides() -> dict:
     """Configs from $HF_VARLEN_TRITON_ATTN_CONFIG, for tuning runs: JSON {"128": [15 ints
     (+ bwd_fused 0/1, + kv_stages_unfolded)], "long128": [15 ints], "long_min_span": int, "long_programs_per_sm":
-    [fwd, dq, kv], "group128": [capacity, block_q, warps, stages] ([] = off), ...}."""
+    [fwd, dq, kv], ...}."""
     path = os.environ.get("HF_VARLEN_TRITON_ATTN_CONFIG")
     return _load_overrides(path) if path else {}
 
@@ -229,20 +198,6 @@ def pick_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> Kern
         return _INTERPRETER_CONFIG
     key = _key(head_dim)
     return _overrides().get(key) or _CUDA_CONFIGS[key]
-
-
-def pick_group_path(head_dim: int, dtype: torch.dtype, device: torch.device) -> GroupPath | None:
-    """The backward's whole-document groups for head_dim/dtype/device, or None (every row takes
-    the split kernels). fp16/bf16 on CUDA only (fp32 tiles need twice the registers)."""
-    if device.type != "cuda":
-        return _INTERPRETER_GROUPS
-    if dtype == torch.float32:
-        return None
-    key = _key(head_dim)
-    overrides = _overrides()
-    if ("group", key) in overrides:
-        return overrides["group", key]
-    return _CUDA_GROUPS.get(key)
 
 
 def pick_long_path(head_dim: int, dtype: torch.dtype, device: torch.device) -> LongPath | None:
@@ -317,33 +272,22 @@ def launch_passes(plan, kernel: str, cfg: KernelConfig, long: LongPath | None, g
 
 @dataclass
 class Plan:
-    """Row bounds of one batch plus its heaviest-first tile orders (memoised per tile size).
-
-    ``cu_q`` / ``cu_k``: the batch's offsets (for the backward's document groups). ``owned_q`` /
-    ``owned_k`` (bool per row): set on the split kernels' plan of a grouped backward
-    (``grouped``): rows the group kernel computes, whose bounds are empty here and whose tiles, when
-    every row of one is owned, are replaced by the never-launched empty tile in every order."""
+    """Row bounds of one batch plus its heaviest-first tile orders (memoised per tile size)."""
 
     lo_q: torch.Tensor
     hi_q: torch.Tensor
     qlo_k: torch.Tensor
     qhi_k: torch.Tensor
-    cu_q: torch.Tensor | None = None
-    cu_k: torch.Tensor | None = None
-    owned_q: torch.Tensor | None = None
-    owned_k: torch.Tensor | None = None
     _orders: dict = field(default_factory=dict)
 
     def order_q(self, tile: int) -> torch.Tensor:
         if ("q", tile) not in self._orders:
-            order = heaviest_first(self.lo_q, self.hi_q, tile)
-            self._orders["q", tile] = self._drop_owned(order, self.owned_q, tile)
+            self._orders["q", tile] = heaviest_first(self.lo_q, self.hi_q, tile)
         return self._orders["q", tile]
 
     def order_k(self, tile: int) -> torch.Tensor:
         if ("k", tile) not in self._orders:
-            order = heaviest_first(self.qlo_k, self.qhi_k, tile)
-            self._orders["k", tile] = self._drop_owned(order, self.owned_k, tile)
+            self._orders["k", tile] = heaviest_first(self.qlo_k, self.qhi_k, tile)
         return self._orders["k", tile]
 
     def split(self, side: str, tile_s: int, tile_l: int, min_span: int):
@@ -351,45 +295,7 @@ class Plan:
         key = ("split", side, tile_s, tile_l, min_span)
         if key not in self._orders:
             lo, hi = (self.lo_q, self.hi_q) if side == "q" else (self.qlo_k, self.qhi_k)
-            order_s, order_l, n_long = split_orders(lo, hi, tile_s, tile_l, min_span)
-            owned = self.owned_q if side == "q" else self.owned_k
-            self._orders[key] = (self._drop_owned(order_s, owned, tile_s), order_l, n_long)
-        return self._orders[key]
-
-    @staticmethod
-    def _drop_owned(order: torch.Tensor, owned: torch.Tensor | None, tile: int) -> torch.Tensor:
-        """``order`` with every tile whose rows are all owned replaced by the empty tile n_tiles
-        (the last entry's index): its programs exit without loading or storing a row."""
-        if owned is None:
-            return order
-        n = owned.numel()
-        n_tiles = -(-n // tile)
-        tile_of = torch.arange(n, device=owned.device) // tile
-        all_owned = torch.ones(n_tiles + 1, dtype=torch.int32, device=owned.device)
-        all_owned = all_owned.scatter_reduce(0, tile_of, owned.to(torch.int32), "amin")
-        return torch.where(all_owned[order.to(torch.int64)] > 0, n_tiles, order).to(torch.int32)
-
-    def grouped(self, capacity: int):
-        """(the split kernels' plan, groups (4, n_docs + 1), n_groups (1,)) of the backward's
-        document groups of at most ``capacity`` tokens (attention_groups.py), memoised. Needs the
-        offsets (``cu_q`` / ``cu_k``) and at least one document."""
-        from .attention_groups import document_groups
-
-        key = ("groups", capacity)
-        if key not in self._orders:
-            t_q, t_k = self.lo_q.numel(), self.qlo_k.numel()
-            groups, n_groups, own_q, own_k = document_groups(
-                self.cu_q, self.cu_k, t_q, t_k, capacity
-            )
-            split = Plan(
-                torch.where(own_q, EMPTY_LO, self.lo_q),
-                torch.where(own_q, -1, self.hi_q),
-                torch.where(own_k, EMPTY_LO, self.qlo_k),
-                torch.where(own_k, -1, self.qhi_k),
-                owned_q=own_q,
-                owned_k=own_k,
-            )
-            self._orders[key] = (split, groups, n_groups)
+            self._orders[key] = split_orders(lo, hi, tile_s, tile_l, min_span)
         return self._orders[key]
 
 
@@ -523,9 +429,9 @@ def get_plan(
     torch.compile traces) the plan is rebuilt from torch ops, which the compiler sees and
     deduplicates across layers (no Python-side state in a graph)."""
     if type(cu_q) is not torch.Tensor or type(cu_k) is not torch.Tensor:
-        return Plan(*row_bounds(cu_q, cu_k, t_q, t_k, left, right), cu_q=cu_q, cu_k=cu_k)
+        return Plan(*row_bounds(cu_q, cu_k, t_q, t_k, left, right))
     return _PLANS.get_or_compute(
         (cu_q, cu_k),
-        lambda: Plan(*row_bounds(cu_q, cu_k, t_q, t_k, left, right), cu_q=cu_q, cu_k=cu_k),
+        lambda: Plan(*row_bounds(cu_q, cu_k, t_q, t_k, left, right)),
         extra=(t_q, t_k, left, right),
     )
