@@ -125,3 +125,18 @@ def test_small_override(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_VARLEN_TRITON_ATTN_CONFIG", str(path2))
     with pytest.raises(ValueError, match="bad.json: small_max_span.*int >= 1"):
         attention_schedule.pick_small_path(128, torch.bfloat16, cuda)
+
+
+@pytest.mark.gpu
+def test_gpu_small_tier_matches_reference(tmp_path, monkeypatch):
+    """The sweep's small tiles (run N) forced on through the tuning override, on alpaca-like
+    lengths with one long document (all three launches), against the reference in bf16 / fp16."""
+    tiles = [64, 16, 4, 3, 16, 64, 32, 4, 1, 16, 64, 32, 4, 3, 8]
+    path = tmp_path / "small.json"
+    path.write_text(json.dumps({"small128": tiles, "small64": tiles, "small_max_span": 384}))
+    monkeypatch.setenv("HF_VARLEN_TRITON_ATTN_CONFIG", str(path))
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(1, 300, (80,), generator=g).tolist() + [3000]
+    check(lengths, 32, 8, 128, torch.bfloat16)
+    check(lengths, 40, 8, 128, torch.bfloat16)
+    check(lengths, 16, 16, 64, torch.float16, softcap=20.0)

@@ -9,8 +9,9 @@ and its guards matter), lets the triton backend run on CPU with the GPU's tile c
 a compiled model over varying packs with aot_eager. It prints one JSON line:
 {"compiles": n, "graph_breaks": {...}, "recompile_reasons": [...]}.
 
-    python tests/traced_triton_compile.py KIND STYLE STEPS [fused]   (run by test_compile_attention.py;
-        fused: the fused attention backward, KernelConfig.bwd_fused)
+    python tests/traced_triton_compile.py KIND STYLE STEPS [fused|small]   (run by
+        test_compile_attention.py; fused: the fused attention backward, KernelConfig.bwd_fused;
+        small: the small-tile tier on, attention_schedule.SmallPath)
     python tests/traced_triton_compile.py ops                 the row ops on their own: one JSON
         line per op, {"op": name, "compiles": n, "recompile_reasons": [...]}, over token counts
         that cross the kernels' block sizes (marked dynamic from the first call: 1 compilation)
@@ -47,7 +48,7 @@ class _NoLaunch:
         return lambda *args, **kwargs: None
 
 
-def main(kind: str, style: str, steps: int, fused: bool = False) -> dict:
+def main(kind: str, style: str, steps: int, fused: bool = False, small: bool = False) -> dict:
     torch.library.wrap_triton = lambda kernel: _NoLaunch()  # before the ops are traced
 
     import hf_varlen
@@ -56,11 +57,14 @@ def main(kind: str, style: str, steps: int, fused: bool = False) -> dict:
     import hf_varlen.ops.attention_fwd as attention_fwd
     from hf_varlen.backends import registry
     from hf_varlen.metadata import mark_dynamic_pack
-    from hf_varlen.ops.attention_schedule import _CUDA_CONFIGS
+    from hf_varlen.ops.attention_schedule import _CUDA_CONFIGS, KernelConfig, SmallPath
 
     attention_fwd.launcher = attention_bwd.launcher = lambda kernel, traceable: _NoLaunch()
     gpu_tiles = dataclasses.replace(_CUDA_CONFIGS[64], bwd_fused=fused)
     attention.pick_config = lambda head_dim, dtype, device: gpu_tiles  # the GPU's tiles
+    if small:  # the sweep's small tiles (docs/BENCHMARKS.md run N), a third launch per kernel
+        tiles = KernelConfig(64, 16, 4, 3, 16, 64, 32, 4, 1, 16, 64, 32, 4, 3, 8)
+        attention.pick_small_path = lambda head_dim, dtype, device: SmallPath(tiles, 384)
     registry._REGISTRY["triton"] = dataclasses.replace(
         registry._REGISTRY["triton"], probe=lambda: None, devices=frozenset({"cpu"}),
         dtypes=frozenset({torch.float32}),
@@ -194,5 +198,5 @@ if __name__ == "__main__":
         for row in ops():
             print(json.dumps(row))
     else:
-        fused = sys.argv[4:] == ["fused"]
-        print(json.dumps(main(sys.argv[1], sys.argv[2], int(sys.argv[3]), fused)))
+        fused, small = sys.argv[4:] == ["fused"], sys.argv[4:] == ["small"]
+        print(json.dumps(main(sys.argv[1], sys.argv[2], int(sys.argv[3]), fused, small)))
