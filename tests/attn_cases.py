@@ -18,6 +18,20 @@ def cu_from_lengths(lengths, device="cpu") -> torch.Tensor:
     return torch.tensor(cu, dtype=torch.int32, device=device)
 
 
+def record_calls(monkeypatch, module, name: str, record) -> list:
+    """Wrap ``module.name`` (monkeypatched) so that every call first appends ``record(*args,
+    **kwargs)`` to the returned list, then runs the real function."""
+    calls = []
+    real = getattr(module, name)
+
+    def wrapper(*args, **kwargs):
+        calls.append(record(*args, **kwargs))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, wrapper)
+    return calls
+
+
 def make_qkv(lengths, h_q, h_kv, d, dtype, device="cpu", seed=0, with_grad_out=False):
     """Seeded packed q, k, v (and an upstream gradient like q): independent of the global RNG,
     so a test's data never depends on which tests ran before it."""

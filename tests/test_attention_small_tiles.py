@@ -8,10 +8,10 @@ import json
 
 import pytest
 import torch
-from attn_cases import cu_from_lengths
+from attn_cases import cu_from_lengths, record_calls
 from test_triton_attention import check
 
-from hf_varlen.ops import attention, attention_fwd, attention_schedule
+from hf_varlen.ops import attention, attention_schedule
 from hf_varlen.ops.attention_schedule import (
     KernelConfig,
     SmallPath,
@@ -93,12 +93,8 @@ def test_small_tier_matches_reference(case, with_long, monkeypatch):
     monkeypatch.setattr(attention, "pick_small_path", lambda *a: SmallPath(SMALL, 24))
     if not with_long:
         monkeypatch.setattr(attention, "pick_long_path", lambda *a: None)
-    launched = []
-    real = attention_fwd.attention_forward
-    monkeypatch.setattr(
-        attention,
-        "attention_forward",
-        lambda *a, **k: (launched.append(k["block_m"]), real(*a, **k))[1],
+    launched = record_calls(
+        monkeypatch, attention, "attention_forward", lambda *a, **k: k["block_m"]
     )
     check(lengths, h_q, h_kv, 16, torch.float32, **kw)
     assert launched[0] == SMALL.fwd_block_m and len(launched) == 2 + with_long

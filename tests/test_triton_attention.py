@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from attn_cases import check_backend_against_reference, cu_from_lengths, make_qkv
+from attn_cases import check_backend_against_reference, cu_from_lengths, make_qkv, record_calls
 
 from hf_varlen.ops.attention import triton_varlen_attention
 from hf_varlen.ops.attention_schedule import EMPTY_LO, get_plan, heaviest_first, row_bounds
@@ -310,6 +310,11 @@ def test_dkdv_pipeline_stages_follow_the_gqa_fold(tmp_path, monkeypatch):
     assert sched._overrides()[128].kv_stages_at(1) == 1
     assert sched._overrides()[128].kv_stages_at(4) == 3
     assert sched._overrides()[64].kv_stages_at(1) == 3
+    bad = tmp_path / "bad.json"
+    bad.write_text(f'{{"128": {cfg + [0, -1]}}}')
+    monkeypatch.setenv("HF_VARLEN_TRITON_ATTN_CONFIG", str(bad))
+    with pytest.raises(ValueError, match="bad.json: 128: .*kv_stages_unfolded must be an int >= 0"):
+        sched._overrides()
 
 
 @pytest.mark.parametrize("h_q, h_kv, fold_stages", [(2, 2, 1), (4, 2, 2)])
@@ -324,12 +329,8 @@ def test_dkdv_launch_takes_the_stages_of_its_fold(h_q, h_kv, fold_stages, monkey
                               kv_stages_unfolded=1)  # fmt: skip
     monkeypatch.setattr(attention, "pick_config", lambda *a: cfg)
     monkeypatch.setattr(attention, "pick_long_path", lambda *a: None)
-    stages = []
-    real = attention_bwd.backward_dkdv
-    monkeypatch.setattr(
-        attention_bwd,
-        "backward_dkdv",
-        lambda *a, **k: (stages.append((k["fold"], k["num_stages"])), real(*a, **k)),
+    stages = record_calls(
+        monkeypatch, attention_bwd, "backward_dkdv", lambda *a, **k: (k["fold"], k["num_stages"])
     )
     check([21, 40, 4], h_q, h_kv, 16, torch.float32)
     fold = h_q // h_kv

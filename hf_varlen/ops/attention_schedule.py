@@ -82,6 +82,13 @@ class KernelConfig:
     # 32/8/128's fold-4 dK/dV 12-19% faster, 40/8/128's fold-1 one 9-22% slower f+b).
     kv_stages_unfolded: int = 0
 
+    def __post_init__(self):
+        if not isinstance(self.kv_stages_unfolded, int) or self.kv_stages_unfolded < 0:
+            raise ValueError(
+                f"KernelConfig.kv_stages_unfolded must be an int >= 0 (0 = kv_stages), got "
+                f"{self.kv_stages_unfolded!r}"
+            )
+
     def kv_stages_at(self, fold: int) -> int:
         """Pipeline stages of the dK/dV kernel at this GQA fold."""
         return self.kv_stages_unfolded if fold == 1 and self.kv_stages_unfolded else self.kv_stages
@@ -190,7 +197,10 @@ def _load_overrides(path: str) -> dict:
     for k, v in raw.items():
         if k in ("long_min_span", "long_programs_per_sm", "small_max_span"):
             continue
-        cfg = KernelConfig(*v[:15], *map(bool, v[15:16]), *map(int, v[16:17]))
+        try:
+            cfg = KernelConfig(*v[:15], *map(bool, v[15:16]), *map(int, v[16:17]))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{path}: {k}: {exc}") from None
         if k.startswith("small"):
             try:
                 out["small", int(k[5:])] = SmallPath(cfg, raw.get("small_max_span", 256))
@@ -454,21 +464,6 @@ def tile_spans(lo: torch.Tensor, hi: torch.Tensor, tile: int) -> torch.Tensor:
     return (hi_t - lo_t + 1).clamp_min(0)
 
 
-def long_blocks(
-    lo: torch.Tensor, tile_s: int, tile_l: int, min_span: int, span_l: torch.Tensor
-) -> tuple[int, torch.Tensor]:
-    """(G = lcm(tile_s, tile_l), long_g (n_g + 1,) bool): a G-row block is long if any of its
-    long-size tiles (spans ``span_l``, tile_spans') has a span of >= ``min_span``; the extra entry
-    never is (the extra tile's span is 0, and nothing maps to the last block index past the
-    rows)."""
-    g = math.lcm(tile_s, tile_l)
-    n_g = -(-lo.numel() // g)
-    block_of = torch.arange(span_l.numel(), device=lo.device) * tile_l // g
-    long_g = torch.zeros(n_g + 1, dtype=torch.int32, device=lo.device)
-    long_g = long_g.scatter_reduce(0, block_of, (span_l >= min_span).to(torch.int32), "amax") > 0
-    return g, long_g
-
-
 def split_orders(
     lo: torch.Tensor, hi: torch.Tensor, tile_s: int, tile_l: int, min_span: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -483,8 +478,21 @@ def split_orders(
     the long blocks' short tiles replaced by the empty tile n_s (their programs do nothing).
     order_l: (n_l + 1,), the long tiles first, heaviest first; n_long (1,) int32: how many (the
     long launch's work)."""
+    return _split_orders(lo, hi, tile_s, tile_l, min_span)[:3]
+
+
+def _split_orders(lo, hi, tile_s: int, tile_l: int, min_span: int):
+    """split_orders' (order_s, order_l, n_long) plus G = lcm(tile_s, tile_l) and long_g
+    (n_g + 1,) bool, which G-row blocks are long (split_small reuses them)."""
+    g = math.lcm(tile_s, tile_l)
     spans = {t: tile_spans(lo, hi, t) for t in {tile_s, tile_l}}
-    g, long_g = long_blocks(lo, tile_s, tile_l, min_span, spans[tile_l])
+    span_l = spans[tile_l]
+    # (n_g + 1,): a block is long if any of its long-size tiles is; the extra entry never is (the
+    # extra tile's span is 0, and nothing maps to the last block index past the rows)
+    n_g = -(-lo.numel() // g)
+    block_of = torch.arange(span_l.numel(), device=lo.device) * tile_l // g
+    long_g = torch.zeros(n_g + 1, dtype=torch.int32, device=lo.device)
+    long_g = long_g.scatter_reduce(0, block_of, (span_l >= min_span).to(torch.int32), "amax") > 0
 
     def side(tile):
         span = spans[tile]
@@ -499,7 +507,7 @@ def split_orders(
     span_l, long_l = side(tile_l)
     order_l = torch.argsort(torch.where(long_l, span_l, -1), descending=True, stable=True)
     n_long = long_l.sum(dtype=torch.int32).reshape(1)
-    return order_s, order_l.to(torch.int32), n_long
+    return order_s, order_l.to(torch.int32), n_long, g, long_g
 
 
 def split_small(
@@ -527,9 +535,7 @@ def split_small(
         order_s, order_l, n_long = heaviest_first(lo, hi, tile_s), None, None
         long_g = None
     else:
-        tile_l, min_span = long
-        order_s, order_l, n_long = split_orders(lo, hi, tile_s, tile_l, min_span)
-        g, long_g = long_blocks(lo, tile_s, tile_l, min_span, tile_spans(lo, hi, tile_l))
+        order_s, order_l, n_long, g, long_g = _split_orders(lo, hi, tile_s, *long)
     g2 = math.lcm(tile_m, tile_s, g)
     n_g2 = -(-lo.numel() // g2)
     idx_m = torch.arange(span_m.numel(), device=lo.device)
