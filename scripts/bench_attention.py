@@ -39,8 +39,13 @@ from bench_common import bench_ms  # noqa: E402
 from bench_common import run_header as header  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-# the default run; also known: triton_fused_bwd (triton with its fused backward)
+# the default run; also known: the triton variants below
 PROVIDERS = ["triton", "torch", "flex", "fa4", "flash_attn", "sdpa_padded"]
+# triton with KernelConfig fields changed in every config it picks (short and long path)
+TRITON_VARIANTS = {
+    "triton_fused_bwd": {"bwd_fused": True},  # the fused (atomic dQ) backward
+    "triton_tma": {"tma": True},  # tensor-descriptor (TMA) loads of the streamed blocks
+}
 
 
 # ---- providers ------------------------------------------------------------------------------------
@@ -56,18 +61,25 @@ def varlen_provider(name, cu, max_len):
 
 
 @contextlib.contextmanager
-def fused_backward():
-    """Provider ``triton_fused_bwd``: triton with its fused backward (KernelConfig.bwd_fused)."""
+def triton_variant(fields: dict):
+    """The triton backend with ``fields`` of KernelConfig replaced in its short and long configs
+    (the providers of TRITON_VARIANTS)."""
     import dataclasses
 
     from hf_varlen.ops import attention
 
-    pick = attention.pick_config
-    attention.pick_config = lambda *a: dataclasses.replace(pick(*a), bwd_fused=True)
+    pick, pick_long = attention.pick_config, attention.pick_long_path
+
+    def long_path(*a):
+        lp = pick_long(*a)
+        return lp and dataclasses.replace(lp, cfg=dataclasses.replace(lp.cfg, **fields))
+
+    attention.pick_config = lambda *a: dataclasses.replace(pick(*a), **fields)
+    attention.pick_long_path = long_path
     try:
         yield
     finally:
-        attention.pick_config = pick
+        attention.pick_config, attention.pick_long_path = pick, pick_long
 
 
 def padded_provider(lengths, device):
@@ -244,9 +256,9 @@ def run_case(case, lengths, heads, providers, device, dtype, check):
                         got.update(dq=unpad(qp.grad), dk=unpad(kp.grad), dv=unpad(vp.grad))
                 del qp, kp, vp, gp
             else:
-                backend = "triton" if name == "triton_fused_bwd" else name
-                fused = fused_backward() if name == "triton_fused_bwd" else contextlib.nullcontext()
-                with fused:
+                variant = TRITON_VARIANTS.get(name)
+                backend = "triton" if variant else name
+                with triton_variant(variant) if variant else contextlib.nullcontext():
                     reason = hf_varlen.backends.unavailable_reason(backend)
                     if reason is not None:
                         raise RuntimeError(reason)

@@ -9,9 +9,10 @@ and its guards matter), lets the triton backend run on CPU with the GPU's tile c
 a compiled model over varying packs with aot_eager. It prints one JSON line:
 {"compiles": n, "graph_breaks": {...}, "recompile_reasons": [...]}.
 
-    python tests/traced_triton_compile.py KIND STYLE STEPS [fused|small]   (run by
+    python tests/traced_triton_compile.py KIND STYLE STEPS [fused|small|tma]   (run by
         test_compile_attention.py; fused: the fused attention backward, KernelConfig.bwd_fused;
-        small: the small-tile tier on, attention_schedule.SmallPath)
+        small: the small-tile tier on, attention_schedule.SmallPath; tma: tensor descriptors on,
+        KernelConfig.tma, built from the traced tensors as on an sm_90 GPU)
     python tests/traced_triton_compile.py ops                 the row ops on their own: one JSON
         line per op, {"op": name, "compiles": n, "recompile_reasons": [...]}, over token counts
         that cross the kernels' block sizes (marked dynamic from the first call: 1 compilation)
@@ -48,7 +49,7 @@ class _NoLaunch:
         return lambda *args, **kwargs: None
 
 
-def main(kind: str, style: str, steps: int, fused: bool = False, small: bool = False) -> dict:
+def main(kind: str, style: str, steps: int, variant: str = "split") -> dict:
     torch.library.wrap_triton = lambda kernel: _NoLaunch()  # before the ops are traced
 
     import hf_varlen
@@ -60,9 +61,17 @@ def main(kind: str, style: str, steps: int, fused: bool = False, small: bool = F
     from hf_varlen.ops.attention_schedule import _CUDA_CONFIGS, KernelConfig, SmallPath
 
     attention_fwd.launcher = attention_bwd.launcher = lambda kernel, traceable: _NoLaunch()
-    gpu_tiles = dataclasses.replace(_CUDA_CONFIGS[64], bwd_fused=fused)
+    tma = variant == "tma"
+    if tma:  # descriptors as on an sm_90 GPU (attention_tma.py), in the long launches too
+        attention_fwd.tma_device = lambda device: True
+        long = attention.pick_long_path(64, torch.float32, torch.device("cpu"))
+        long = dataclasses.replace(long, cfg=dataclasses.replace(long.cfg, tma=True))
+        attention.pick_long_path = lambda head_dim, dtype, device: long
+    gpu_tiles = dataclasses.replace(_CUDA_CONFIGS[64], bwd_fused=variant == "fused", tma=tma)
     attention.pick_config = lambda head_dim, dtype, device: gpu_tiles  # the GPU's tiles
-    if small:  # the sweep's small tiles (docs/BENCHMARKS.md run N), a third launch per kernel
+    if (
+        variant == "small"
+    ):  # the sweep's small tiles (docs/BENCHMARKS.md run N), a third launch per kernel
         tiles = KernelConfig(64, 16, 4, 3, 16, 64, 32, 4, 1, 16, 64, 32, 4, 3, 8)
         attention.pick_small_path = lambda head_dim, dtype, device: SmallPath(tiles, 384)
     registry._REGISTRY["triton"] = dataclasses.replace(
@@ -198,5 +207,7 @@ if __name__ == "__main__":
         for row in ops():
             print(json.dumps(row))
     else:
-        fused, small = sys.argv[4:] == ["fused"], sys.argv[4:] == ["small"]
-        print(json.dumps(main(sys.argv[1], sys.argv[2], int(sys.argv[3]), fused, small)))
+        variant = sys.argv[4] if len(sys.argv) > 4 else "split"
+        if variant not in ("split", "fused", "small", "tma"):
+            raise SystemExit(f"unknown variant {variant!r}: split, fused, small or tma")
+        print(json.dumps(main(sys.argv[1], sys.argv[2], int(sys.argv[3]), variant)))

@@ -132,7 +132,7 @@ def forward_launch(q, k, v, plan, softmax_scale, softcap, traceable=False):
         out = attention_forward(
             q, k, v, plan.lo_q, plan.hi_q, order, softmax_scale=softmax_scale, softcap=softcap,
             fold=fold, block_m=c.fwd_block_m, block_n=c.fwd_block_n, num_warps=c.fwd_warps,
-            num_stages=c.fwd_stages, traceable=traceable, out=out, bound=bound,
+            num_stages=c.fwd_stages, traceable=traceable, out=out, bound=bound, tma=c.tma,
         )  # fmt: skip
     return out
 

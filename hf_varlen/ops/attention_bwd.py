@@ -19,7 +19,9 @@ step's dS K into an fp32 dQ buffer (FA2's scheme): the split path computes QK^T 
 (7 matmuls per visible block), the fused one once (5), which is where long documents spend the
 backward; the atomics make the summation order of dQ vary between runs.
 
-Both are launched over heaviest-first tile orders (attention_schedule.py).
+Both are launched over heaviest-first tile orders (attention_schedule.py). With
+``KernelConfig.tma`` the blocks each inner loop streams (K/V in dQ, Q/dO in dK/dV) come through
+tensor descriptors where the layout allows (attention_tma.py).
 Shapes: q/do/o/dq (T_q, H_q, D), dq_acc (T_q, H_q, D) fp32, k/v/dk/dv (T_k, H_kv, D),
 lse/delta (H_q, T_q) fp32, lo/hi (T_q,) and qlo/qhi (T_k,) int32.
 """
@@ -31,6 +33,7 @@ import triton
 import triton.language as tl
 
 from .attention_fwd import (
+    _desc_rows,
     _dot,
     _load,
     _scores,
@@ -40,6 +43,7 @@ from .attention_fwd import (
     launcher,
     needs_long_indexing,
     score_constants,
+    stream_descriptors,
 )
 from .attention_schedule import launch_passes
 
@@ -47,27 +51,32 @@ from .attention_schedule import launch_passes
 @triton.jit
 def _dq_step(
     dq, q, do, lse2, delta, k_base, v_base, start, span_hi, lo, hi, d, d_ok, stride_kt, stride_vt,
-    scale_a, scale_b, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
-    LONG_INDEXING: tl.constexpr, EVEN_D: tl.constexpr, MASKED: tl.constexpr,
+    scale_a, scale_b, K_DESC, V_DESC, kv_head_tma, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    SOFTCAP: tl.constexpr, IEEE: tl.constexpr, LONG_INDEXING: tl.constexpr, EVEN_D: tl.constexpr,
+    MASKED: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
     cols = start + tl.arange(0, BLOCK_N)
     col_ok = cols <= span_hi
     if LONG_INDEXING:
         cols = cols.to(tl.int64)
-    kt = _load(
-        k_base + cols[None, :] * stride_kt + d[:, None],
-        col_ok[None, :],
-        d_ok[:, None],
-        MASKED,
-        EVEN_D,
-    )
-    vt = _load(
-        v_base + cols[None, :] * stride_vt + d[:, None],
-        col_ok[None, :],
-        d_ok[:, None],
-        MASKED,
-        EVEN_D,
-    )
+    if TMA:  # keys past span_hi are loaded too; p is 0 there (the mask), and so is dS
+        kt = tl.trans(_desc_rows(K_DESC, start, kv_head_tma, BLOCK_N, 1, BLOCK_D))
+        vt = tl.trans(_desc_rows(V_DESC, start, kv_head_tma, BLOCK_N, 1, BLOCK_D))
+    else:
+        kt = _load(
+            k_base + cols[None, :] * stride_kt + d[:, None],
+            col_ok[None, :],
+            d_ok[:, None],
+            MASKED,
+            EVEN_D,
+        )
+        vt = _load(
+            v_base + cols[None, :] * stride_vt + d[:, None],
+            col_ok[None, :],
+            d_ok[:, None],
+            MASKED,
+            EVEN_D,
+        )
     qk = _dot(q, kt, IEEE)
     p = tl.exp2(_scores(qk, scale_a, scale_b, SOFTCAP) - lse2[:, None])
     if MASKED:
@@ -82,13 +91,13 @@ def _dq_step(
 
 @triton.jit
 def _dq_tile(
-    work, Q, K, V, O, DO, LSE, DELTA, DQ, LO, HI, ORDER,
+    work, Q, K, V, O, DO, LSE, DELTA, DQ, LO, HI, ORDER, K_DESC, V_DESC,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_dot, stride_doh, stride_dqt, stride_dqh,
     T_q, N_HEAD_BLOCKS, scale_a, scale_b, sm_scale,
     GROUP: tl.constexpr, FOLD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
-    LONG_INDEXING: tl.constexpr,
+    LONG_INDEXING: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
     """One work item: query tile ORDER[work // N_HEAD_BLOCKS] x head block work % N_HEAD_BLOCKS."""
     EMPTY: tl.constexpr = 2147483647
@@ -100,6 +109,7 @@ def _dq_tile(
     tok = tile * TILE + r // FOLD
     head = head_block * FOLD + r % FOLD
     kv_head = (head_block * FOLD) // GROUP
+    kv_head_tma = kv_head  # descriptor coordinates are int32
     row_ok = (r < TILE * FOLD) & (tok < T_q)
     if LONG_INDEXING:
         tok = tok.to(tl.int64)
@@ -141,20 +151,24 @@ def _dq_tile(
     k_base = K + kv_head * stride_kh
     v_base = V + kv_head * stride_vh
     args = (q, do, lse2, delta, k_base, v_base)
+    tma = (K_DESC, V_DESC, kv_head_tma)
     for i in range(0, n_head):
         dq = _dq_step(
             dq, *args, span_lo + i * BLOCK_N, span_hi, lo, hi, d, d_ok, stride_kt, stride_vt,
-            scale_a, scale_b, BLOCK_N, SOFTCAP, IEEE, LONG_INDEXING, EVEN_D, True,
+            scale_a, scale_b, *tma, BLOCK_N, BLOCK_D, SOFTCAP, IEEE, LONG_INDEXING, EVEN_D, True,
+            TMA,
         )  # fmt: skip
     for i in range(n_head, n_head + n_mid):
         dq = _dq_step(
             dq, *args, span_lo + i * BLOCK_N, span_hi, lo, hi, d, d_ok, stride_kt, stride_vt,
-            scale_a, scale_b, BLOCK_N, SOFTCAP, IEEE, LONG_INDEXING, EVEN_D, False,
+            scale_a, scale_b, *tma, BLOCK_N, BLOCK_D, SOFTCAP, IEEE, LONG_INDEXING, EVEN_D, False,
+            TMA,
         )  # fmt: skip
     for i in range(n_head + n_mid, n_all):
         dq = _dq_step(
             dq, *args, span_lo + i * BLOCK_N, span_hi, lo, hi, d, d_ok, stride_kt, stride_vt,
-            scale_a, scale_b, BLOCK_N, SOFTCAP, IEEE, LONG_INDEXING, EVEN_D, True,
+            scale_a, scale_b, *tma, BLOCK_N, BLOCK_D, SOFTCAP, IEEE, LONG_INDEXING, EVEN_D, True,
+            TMA,
         )  # fmt: skip
     tl.store(
         DQ + tok[:, None] * stride_dqt + head[:, None] * stride_dqh + d[None, :],
@@ -165,20 +179,21 @@ def _dq_tile(
 
 @triton.jit(do_not_specialize=["T_q", "T_k"])
 def _attn_bwd_dq_kernel(
-    Q, K, V, O, DO, LSE, DELTA, DQ, LO, HI, ORDER, N_WORK,
+    Q, K, V, O, DO, LSE, DELTA, DQ, LO, HI, ORDER, N_WORK, K_DESC, V_DESC,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_dot, stride_doh, stride_dqt, stride_dqh,
     T_q, T_k, N_HEAD_BLOCKS, scale_a, scale_b, sm_scale,
     GROUP: tl.constexpr, FOLD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
     LONG_INDEXING: tl.constexpr, PERSISTENT: tl.constexpr, BOUNDED: tl.constexpr,
+    TMA: tl.constexpr,
 ):  # fmt: skip
     """One program per work item, or BOUNDED / PERSISTENT (see the forward kernel)."""
     # fp32 scalars (Inductor passes Python floats as fp64; see the forward kernel)
     scale_a = tl.cast(scale_a, tl.float32)
     scale_b = tl.cast(scale_b, tl.float32)
     sm_scale = tl.cast(sm_scale, tl.float32)
-    args = (Q, K, V, O, DO, LSE, DELTA, DQ, LO, HI, ORDER, stride_qt, stride_qh, stride_kt,
+    args = (Q, K, V, O, DO, LSE, DELTA, DQ, LO, HI, ORDER, K_DESC, V_DESC, stride_qt, stride_qh, stride_kt,
             stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_dot, stride_doh,
             stride_dqt, stride_dqh, T_q, N_HEAD_BLOCKS, scale_a, scale_b, sm_scale)  # fmt: skip
     pid = tl.program_id(0)
@@ -187,18 +202,18 @@ def _attn_bwd_dq_kernel(
         for work in range(pid, n_work, tl.num_programs(0)):
             _dq_tile(
                 work, *args, GROUP, FOLD, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, SOFTCAP, IEEE,
-                LONG_INDEXING,
+                LONG_INDEXING, TMA,
             )  # fmt: skip
     elif BOUNDED:
         if pid < tl.load(N_WORK) * N_HEAD_BLOCKS:
             _dq_tile(
                 pid, *args, GROUP, FOLD, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, SOFTCAP, IEEE,
-                LONG_INDEXING,
+                LONG_INDEXING, TMA,
             )  # fmt: skip
     else:
         _dq_tile(
             pid, *args, GROUP, FOLD, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, SOFTCAP, IEEE,
-            LONG_INDEXING,
+            LONG_INDEXING, TMA,
         )  # fmt: skip
 
 
@@ -206,19 +221,24 @@ def _attn_bwd_dq_kernel(
 def _dkdv_step(
     dk, dv, k, v, Q, DO, LSE, DELTA, head, r, start, span_hi, qlo, qhi, d, d_ok, stride_qt,
     stride_qh, stride_dot, stride_doh, T_q, scale_a, scale_b, sm_scale, DQ_ACC, stride_aqt,
-    stride_aqh, FOLD: tl.constexpr, TILE: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
-    LONG_INDEXING: tl.constexpr, EVEN_D: tl.constexpr, MASKED: tl.constexpr,
-    MASK_ROWS: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+    stride_aqh, Q_DESC, DO_DESC, head0_tma, FOLD: tl.constexpr, TILE: tl.constexpr,
+    BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr, LONG_INDEXING: tl.constexpr,
+    EVEN_D: tl.constexpr, MASKED: tl.constexpr, MASK_ROWS: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+    TMA: tl.constexpr,
 ):  # fmt: skip
     tok = start + r // FOLD
     if LONG_INDEXING:
         tok = tok.to(tl.int64)
     # padding rows load lse = +inf (p = 0), so they add nothing even on unmasked steps
     row_ok = (r < TILE * FOLD) & (tok <= span_hi)
-    q_ptrs = Q + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
-    q = _load(q_ptrs, row_ok[:, None], d_ok[None, :], MASK_ROWS, EVEN_D)
-    do_ptrs = DO + tok[:, None] * stride_dot + head[:, None] * stride_doh + d[None, :]
-    do = _load(do_ptrs, row_ok[:, None], d_ok[None, :], MASK_ROWS, EVEN_D)
+    if TMA:  # rows past span_hi are loaded too (real rows or zeros past T): their lse is +inf
+        q = _desc_rows(Q_DESC, start, head0_tma, TILE, FOLD, BLOCK_D)
+        do = _desc_rows(DO_DESC, start, head0_tma, TILE, FOLD, BLOCK_D)
+    else:
+        q_ptrs = Q + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
+        q = _load(q_ptrs, row_ok[:, None], d_ok[None, :], MASK_ROWS, EVEN_D)
+        do_ptrs = DO + tok[:, None] * stride_dot + head[:, None] * stride_doh + d[None, :]
+        do = _load(do_ptrs, row_ok[:, None], d_ok[None, :], MASK_ROWS, EVEN_D)
     if MASK_ROWS:
         lse2 = tl.load(LSE + head * T_q + tok, mask=row_ok, other=float("inf")) * 1.4426950408889634
         delta = tl.load(DELTA + head * T_q + tok, mask=row_ok, other=0.0)
@@ -245,13 +265,13 @@ def _dkdv_step(
 
 @triton.jit
 def _dkdv_tile(
-    work, Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, QLO, QHI, ORDER,
+    work, Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, QLO, QHI, ORDER, Q_DESC, DO_DESC,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_aqt, stride_aqh,
     T_q, T_k, H_KV, scale_a, scale_b, sm_scale,
     GROUP: tl.constexpr, FOLD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
-    LONG_INDEXING: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+    LONG_INDEXING: tl.constexpr, ATOMIC_DQ: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
     """One work item: key tile ORDER[work // H_KV] x KV head work % H_KV."""
     EMPTY: tl.constexpr = 2147483647
@@ -260,6 +280,7 @@ def _dkdv_tile(
     PAD_ROWS: tl.constexpr = TILE * FOLD != BLOCK_M  # rows past TILE * FOLD are padding
     tile = tl.load(ORDER + work // H_KV)
     kv_head = work % H_KV
+    kv_head_tma = kv_head  # descriptor coordinates are int32
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < T_k
     if LONG_INDEXING:
@@ -290,24 +311,27 @@ def _dkdv_tile(
     for sub in range(GROUP // FOLD):  # a runtime loop: no code copies per head subgroup
         head = kv_head * GROUP + sub * FOLD + r % FOLD
         args = (k, v, Q, DO, LSE, DELTA, head, r)
+        tma = (Q_DESC, DO_DESC, kv_head_tma * GROUP + sub * FOLD)
         for i in range(0, n_head):
             dk, dv = _dkdv_step(
                 dk, dv, *args, span_lo + i * TILE, span_hi, qlo, qhi, d, d_ok, stride_qt, stride_qh,
                 stride_dot, stride_doh, T_q, scale_a, scale_b, sm_scale, DQ_ACC, stride_aqt,
-                stride_aqh, FOLD, TILE, SOFTCAP, IEEE, LONG_INDEXING, EVEN_D, True, True, ATOMIC_DQ,
+                stride_aqh, *tma, FOLD, TILE, BLOCK_D, SOFTCAP, IEEE, LONG_INDEXING, EVEN_D, True,
+                True, ATOMIC_DQ, TMA,
             )  # fmt: skip
         for i in range(n_head, n_head + n_mid):
             dk, dv = _dkdv_step(
                 dk, dv, *args, span_lo + i * TILE, span_hi, qlo, qhi, d, d_ok, stride_qt, stride_qh,
                 stride_dot, stride_doh, T_q, scale_a, scale_b, sm_scale, DQ_ACC, stride_aqt,
-                stride_aqh, FOLD, TILE, SOFTCAP, IEEE, LONG_INDEXING, EVEN_D, False, PAD_ROWS,
-                ATOMIC_DQ,
+                stride_aqh, *tma, FOLD, TILE, BLOCK_D, SOFTCAP, IEEE, LONG_INDEXING, EVEN_D, False,
+                PAD_ROWS, ATOMIC_DQ, TMA,
             )  # fmt: skip
         for i in range(n_head + n_mid, n_all):
             dk, dv = _dkdv_step(
                 dk, dv, *args, span_lo + i * TILE, span_hi, qlo, qhi, d, d_ok, stride_qt, stride_qh,
                 stride_dot, stride_doh, T_q, scale_a, scale_b, sm_scale, DQ_ACC, stride_aqt,
-                stride_aqh, FOLD, TILE, SOFTCAP, IEEE, LONG_INDEXING, EVEN_D, True, True, ATOMIC_DQ,
+                stride_aqh, *tma, FOLD, TILE, BLOCK_D, SOFTCAP, IEEE, LONG_INDEXING, EVEN_D, True,
+                True, ATOMIC_DQ, TMA,
             )  # fmt: skip
     tl.store(
         DK + cols[:, None] * stride_dkt + kv_head * stride_dkh + d[None, :],
@@ -323,21 +347,22 @@ def _dkdv_tile(
 
 @triton.jit(do_not_specialize=["T_q", "T_k"])
 def _attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, QLO, QHI, ORDER, N_WORK,
+    Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, QLO, QHI, ORDER, N_WORK, Q_DESC, DO_DESC,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_aqt, stride_aqh,
     T_q, T_k, H_KV, scale_a, scale_b, sm_scale,
     GROUP: tl.constexpr, FOLD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
     LONG_INDEXING: tl.constexpr, ATOMIC_DQ: tl.constexpr, PERSISTENT: tl.constexpr,
-    BOUNDED: tl.constexpr,
+    BOUNDED: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
     """One program per work item, or BOUNDED / PERSISTENT (see the forward kernel)."""
     # fp32 scalars (Inductor passes Python floats as fp64; see the forward kernel)
     scale_a = tl.cast(scale_a, tl.float32)
     scale_b = tl.cast(scale_b, tl.float32)
     sm_scale = tl.cast(sm_scale, tl.float32)
-    args = (Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, QLO, QHI, ORDER, stride_qt, stride_qh,
+    args = (Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, QLO, QHI, ORDER, Q_DESC, DO_DESC, stride_qt,
+            stride_qh,
             stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_dkt,
             stride_dkh, stride_dvt, stride_dvh, stride_aqt, stride_aqh, T_q, T_k, H_KV, scale_a,
             scale_b, sm_scale)  # fmt: skip
@@ -347,18 +372,18 @@ def _attn_bwd_dkdv_kernel(
         for work in range(pid, n_work, tl.num_programs(0)):
             _dkdv_tile(
                 work, *args, GROUP, FOLD, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, SOFTCAP, IEEE,
-                LONG_INDEXING, ATOMIC_DQ,
+                LONG_INDEXING, ATOMIC_DQ, TMA,
             )  # fmt: skip
     elif BOUNDED:
         if pid < tl.load(N_WORK) * H_KV:
             _dkdv_tile(
                 pid, *args, GROUP, FOLD, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, SOFTCAP, IEEE,
-                LONG_INDEXING, ATOMIC_DQ,
+                LONG_INDEXING, ATOMIC_DQ, TMA,
             )  # fmt: skip
     else:
         _dkdv_tile(
             pid, *args, GROUP, FOLD, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, SOFTCAP, IEEE,
-            LONG_INDEXING, ATOMIC_DQ,
+            LONG_INDEXING, ATOMIC_DQ, TMA,
         )  # fmt: skip
 
 
@@ -399,21 +424,23 @@ def _common(q, k, v, *more, softcap: float) -> dict:
 def backward_dq(
     do, q, k, v, o, lse, delta, dq, lo_q, hi_q, order, *, softmax_scale: float, softcap: float,
     fold: int, block_m: int, block_n: int, num_warps: int, num_stages: int, traceable: bool = False,
-    bound: tuple[torch.Tensor, int] | None = None,
+    bound: tuple[torch.Tensor, int] | None = None, tma: bool = False,
 ) -> None:  # fmt: skip
     """Launch the dQ kernel; writes dq and delta (H_q, T_q) in place (the rows of this launch's
-    tiles). ``bound``: see attention_fwd.attention_forward."""
+    tiles). ``bound``, ``tma`` (K/V through descriptors): see attention_fwd.attention_forward."""
     scale_a, scale_b = score_constants(softmax_scale, softcap)
     n_head_blocks = q.shape[1] // fold
     n_work, grid = launch_grid(order, n_head_blocks, bound)
+    common = _common(q, k, v, o, do, dq, softcap=softcap)
+    descs = stream_descriptors(tma, q.device, (k, v), block_n, 1, common["BLOCK_D"])
     launcher(_attn_bwd_dq_kernel, traceable)[grid](
-        q, k, v, o, do, lse, delta, dq, lo_q, hi_q, order, n_work,
+        q, k, v, o, do, lse, delta, dq, lo_q, hi_q, order, n_work, *(descs or (k, v)),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         o.stride(0), o.stride(1), do.stride(0), do.stride(1), dq.stride(0), dq.stride(1),
         q.shape[0], k.shape[0], n_head_blocks, scale_a, scale_b, softmax_scale,
         FOLD=fold, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages,
         PERSISTENT=bound is not None and bound[1] > 0, BOUNDED=bound is not None,
-        **_common(q, k, v, o, do, dq, softcap=softcap),
+        TMA=descs is not None, **common,
     )  # fmt: skip
 
 
@@ -432,23 +459,30 @@ def backward_dkdv(
     do, q, k, v, lse, delta, dk, dv, qlo_k, qhi_k, order, *, softmax_scale: float, softcap: float,
     fold: int, block_m: int, block_n: int, num_warps: int, num_stages: int, traceable: bool = False,
     dq_acc: torch.Tensor | None = None, bound: tuple[torch.Tensor, int] | None = None,
+    tma: bool = False,
 ) -> None:  # fmt: skip
     """Launch the dK/dV kernel (needs delta from backward_dq or backward_delta); writes dk, dv in
     place. With ``dq_acc`` ((T_q, H_q, D) fp32, zeroed) it also adds every tile's scale * dS K
-    into it with atomics (the fused backward: no dQ kernel, not bitwise repeatable)."""
+    into it with atomics (the fused backward: no dQ kernel, not bitwise repeatable). ``tma``:
+    Q/dO through descriptors of (block_m / fold tokens, fold heads) blocks where the layout allows
+    (attention_tma.py; never with padding rows, whose fold is not a power of two)."""
     scale_a, scale_b = score_constants(softmax_scale, softcap)
     h_kv = k.shape[1]
     acc = dk if dq_acc is None else dq_acc  # a placeholder pointer when there is no fused dQ
     n_work, grid = launch_grid(order, h_kv, bound)
+    common = _common(q, k, v, do, dk, dv, *(() if dq_acc is None else (dq_acc,)), softcap=softcap)
+    tile = block_m // fold
+    tma = tma and tile * fold == block_m
+    descs = stream_descriptors(tma, q.device, (q, do), tile, fold, common["BLOCK_D"])
     launcher(_attn_bwd_dkdv_kernel, traceable)[grid](
-        q, k, v, do, lse, delta, dk, dv, acc, qlo_k, qhi_k, order, n_work,
+        q, k, v, do, lse, delta, dk, dv, acc, qlo_k, qhi_k, order, n_work, *(descs or (q, do)),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
         acc.stride(0), acc.stride(1), q.shape[0], k.shape[0], h_kv, scale_a, scale_b,
         softmax_scale, FOLD=fold, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
         num_stages=num_stages, ATOMIC_DQ=dq_acc is not None,
         PERSISTENT=bound is not None and bound[1] > 0, BOUNDED=bound is not None,
-        **_common(q, k, v, do, dk, dv, *(() if dq_acc is None else (dq_acc,)), softcap=softcap),
+        TMA=descs is not None, **common,
     )  # fmt: skip
 
 
@@ -500,13 +534,13 @@ def attention_backward(
             backward_dq(
                 do, q, k, v, o, lse, delta, dq, plan.lo_q, plan.hi_q, order, fold=fold,
                 block_m=c.dq_block_m, block_n=c.dq_block_n, num_warps=c.dq_warps,
-                num_stages=c.dq_stages, bound=bound, **kw,
+                num_stages=c.dq_stages, bound=bound, tma=c.tma, **kw,
             )  # fmt: skip
     kv_passes = launch_passes(plan, "kv", cfg, long, group, q.device, small)
     for order, c, fold, bound in kv_passes:  # after every dQ launch: they write delta
         backward_dkdv(
             do, q, k, v, lse, delta, dk, dv, plan.qlo_k, plan.qhi_k, order, fold=fold,
             block_m=c.kv_block_m, block_n=c.kv_block_n, num_warps=c.kv_warps,
-            num_stages=c.kv_stages_at(fold), dq_acc=dq_acc, bound=bound, **kw,
+            num_stages=c.kv_stages_at(fold), dq_acc=dq_acc, bound=bound, tma=c.tma, **kw,
         )  # fmt: skip
     return (dq_acc.to(q.dtype) if fused else dq), dk, dv

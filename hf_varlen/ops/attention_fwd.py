@@ -10,7 +10,8 @@ tile walks the keys [min lo, max hi] of its rows (attention_schedule.py) in step
     o = acc / l,   lse = ln(sum_j exp(s_j)) = (m + log2 l) * ln 2
 
 Key blocks that every row of the tile sees entirely skip the mask. Rows that see no key give o = 0
-and lse = +inf (so the backward's exp(s - lse) is 0 there).
+and lse = +inf (so the backward's exp(s - lse) is 0 there). With ``KernelConfig.tma`` the K/V
+blocks come through tensor descriptors where the layout allows (attention_tma.py).
 
 Shapes: q (T_q, H_q, D), k/v (T_k, H_kv, D), o (T_q, H_q, D), lse (H_q, T_q) fp32,
 lo/hi (T_q,) int32, order (n_tiles + 1,) int32 (heaviest first, then one never-launched entry);
@@ -22,6 +23,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from .attention_tma import block_descriptor, tma_device
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -58,6 +61,13 @@ def _load(ptrs, row_ok, d_ok, MASK_ROWS: tl.constexpr, EVEN_D: tl.constexpr):
 
 
 @triton.jit
+def _desc_rows(desc, tok, head, ROWS: tl.constexpr, HEADS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The (ROWS x HEADS, D) block of a tensor descriptor at token ``tok``, head ``head``
+    (attention_tma.py): rows token-major, heads minor, as the folded tiles order them."""
+    return desc.load([tok, head, 0]).reshape([ROWS * HEADS, BLOCK_D])
+
+
+@triton.jit
 def _split(span_lo, span_hi, full_lo, full_hi, STEP: tl.constexpr):
     """Steps of STEP over [span_lo, span_hi]: n_head masked, then n_mid that lie inside
     [full_lo, full_hi] (seen by every row: no mask), then the rest masked."""
@@ -71,20 +81,24 @@ def _split(span_lo, span_hi, full_lo, full_hi, STEP: tl.constexpr):
 @triton.jit
 def _fwd_step(
     acc, m_i, l_i, q, k_base, v_base, start, span_hi, lo, hi, d, d_ok, stride_kt, stride_vt,
-    scale_a, scale_b, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
-    LONG_INDEXING: tl.constexpr, EVEN_D: tl.constexpr, MASKED: tl.constexpr,
+    scale_a, scale_b, K_DESC, V_DESC, kv_head_tma, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    SOFTCAP: tl.constexpr, IEEE: tl.constexpr, LONG_INDEXING: tl.constexpr, EVEN_D: tl.constexpr,
+    MASKED: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
     cols = start + tl.arange(0, BLOCK_N)
     col_ok = cols <= span_hi
     if LONG_INDEXING:
         cols = cols.to(tl.int64)
-    kt = _load(
-        k_base + cols[None, :] * stride_kt + d[:, None],
-        col_ok[None, :],
-        d_ok[:, None],
-        MASKED,
-        EVEN_D,
-    )
+    if TMA:  # keys past span_hi are loaded too (real rows or zeros past T): the mask drops them
+        kt = tl.trans(_desc_rows(K_DESC, start, kv_head_tma, BLOCK_N, 1, BLOCK_D))
+    else:
+        kt = _load(
+            k_base + cols[None, :] * stride_kt + d[:, None],
+            col_ok[None, :],
+            d_ok[:, None],
+            MASKED,
+            EVEN_D,
+        )
     s = _scores(_dot(q, kt, IEEE), scale_a, scale_b, SOFTCAP)
     if MASKED:
         vis = (cols[None, :] >= lo[:, None]) & (cols[None, :] <= hi[:, None])
@@ -94,25 +108,28 @@ def _fwd_step(
     p = tl.exp2(s - m_use[:, None])
     alpha = tl.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = _load(
-        v_base + cols[:, None] * stride_vt + d[None, :],
-        col_ok[:, None],
-        d_ok[None, :],
-        MASKED,
-        EVEN_D,
-    )
+    if TMA:  # p is 0 on the masked keys, whatever their V rows hold
+        v = _desc_rows(V_DESC, start, kv_head_tma, BLOCK_N, 1, BLOCK_D)
+    else:
+        v = _load(
+            v_base + cols[:, None] * stride_vt + d[None, :],
+            col_ok[:, None],
+            d_ok[None, :],
+            MASKED,
+            EVEN_D,
+        )
     acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
     return acc, m_new, l_i
 
 
 @triton.jit
 def _fwd_tile(
-    work, Q, K, V, O, LSE, LO, HI, ORDER,
+    work, Q, K, V, O, LSE, LO, HI, ORDER, K_DESC, V_DESC,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     T_q, N_HEAD_BLOCKS, scale_a, scale_b,
     GROUP: tl.constexpr, FOLD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
-    LONG_INDEXING: tl.constexpr,
+    LONG_INDEXING: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
     """One work item: tile ORDER[work // N_HEAD_BLOCKS] x head block work % N_HEAD_BLOCKS."""
     EMPTY: tl.constexpr = 2147483647
@@ -124,6 +141,7 @@ def _fwd_tile(
     tok = tile * TILE + r // FOLD
     head = head_block * FOLD + r % FOLD
     kv_head = (head_block * FOLD) // GROUP
+    kv_head_tma = kv_head  # descriptor coordinates are int32
     row_ok = (r < TILE * FOLD) & (tok < T_q)
     if LONG_INDEXING:
         tok = tok.to(tl.int64)
@@ -152,20 +170,24 @@ def _fwd_tile(
     k_base = K + kv_head * stride_kh
     v_base = V + kv_head * stride_vh
     args = (q, k_base, v_base)
+    tma = (K_DESC, V_DESC, kv_head_tma)
     for i in range(0, n_head):
         acc, m_i, l_i = _fwd_step(
             acc, m_i, l_i, *args, span_lo + i * BLOCK_N, span_hi, lo, hi, d, d_ok, stride_kt,
-            stride_vt, scale_a, scale_b, BLOCK_N, SOFTCAP, IEEE, LONG_INDEXING, EVEN_D, True,
+            stride_vt, scale_a, scale_b, *tma, BLOCK_N, BLOCK_D, SOFTCAP, IEEE, LONG_INDEXING, EVEN_D,
+            True, TMA,
         )  # fmt: skip
     for i in range(n_head, n_head + n_mid):
         acc, m_i, l_i = _fwd_step(
             acc, m_i, l_i, *args, span_lo + i * BLOCK_N, span_hi, lo, hi, d, d_ok, stride_kt,
-            stride_vt, scale_a, scale_b, BLOCK_N, SOFTCAP, IEEE, LONG_INDEXING, EVEN_D, False,
+            stride_vt, scale_a, scale_b, *tma, BLOCK_N, BLOCK_D, SOFTCAP, IEEE, LONG_INDEXING, EVEN_D,
+            False, TMA,
         )  # fmt: skip
     for i in range(n_head + n_mid, n_all):
         acc, m_i, l_i = _fwd_step(
             acc, m_i, l_i, *args, span_lo + i * BLOCK_N, span_hi, lo, hi, d, d_ok, stride_kt,
-            stride_vt, scale_a, scale_b, BLOCK_N, SOFTCAP, IEEE, LONG_INDEXING, EVEN_D, True,
+            stride_vt, scale_a, scale_b, *tma, BLOCK_N, BLOCK_D, SOFTCAP, IEEE, LONG_INDEXING, EVEN_D,
+            True, TMA,
         )  # fmt: skip
 
     seen = l_i > 0.0
@@ -182,12 +204,13 @@ def _fwd_tile(
 
 @triton.jit(do_not_specialize=["T_q", "T_k"])
 def _attn_fwd_kernel(
-    Q, K, V, O, LSE, LO, HI, ORDER, N_WORK,
+    Q, K, V, O, LSE, LO, HI, ORDER, N_WORK, K_DESC, V_DESC,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     T_q, T_k, N_HEAD_BLOCKS, scale_a, scale_b,
     GROUP: tl.constexpr, FOLD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
     LONG_INDEXING: tl.constexpr, PERSISTENT: tl.constexpr, BOUNDED: tl.constexpr,
+    TMA: tl.constexpr,
 ):  # fmt: skip
     """One program per work item; BOUNDED: only the first N_WORK[0] tiles of ORDER are work (the
     other programs exit at once); PERSISTENT: a fixed grid whose programs take work items
@@ -196,26 +219,27 @@ def _attn_fwd_kernel(
     # the type of the loop-carried m_i and run fp64 math, so the scalars are fp32 from here on.
     scale_a = tl.cast(scale_a, tl.float32)
     scale_b = tl.cast(scale_b, tl.float32)
-    args = (Q, K, V, O, LSE, LO, HI, ORDER, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
-            stride_vh, stride_ot, stride_oh, T_q, N_HEAD_BLOCKS, scale_a, scale_b)  # fmt: skip
+    args = (Q, K, V, O, LSE, LO, HI, ORDER, K_DESC, V_DESC, stride_qt, stride_qh, stride_kt,
+            stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, T_q, N_HEAD_BLOCKS, scale_a,
+            scale_b)  # fmt: skip
     pid = tl.program_id(0)
     if PERSISTENT:
         n_work = tl.load(N_WORK) * N_HEAD_BLOCKS
         for work in range(pid, n_work, tl.num_programs(0)):
             _fwd_tile(
                 work, *args, GROUP, FOLD, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, SOFTCAP, IEEE,
-                LONG_INDEXING,
+                LONG_INDEXING, TMA,
             )  # fmt: skip
     elif BOUNDED:
         if pid < tl.load(N_WORK) * N_HEAD_BLOCKS:
             _fwd_tile(
                 pid, *args, GROUP, FOLD, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, SOFTCAP, IEEE,
-                LONG_INDEXING,
+                LONG_INDEXING, TMA,
             )  # fmt: skip
     else:
         _fwd_tile(
             pid, *args, GROUP, FOLD, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, SOFTCAP, IEEE,
-            LONG_INDEXING,
+            LONG_INDEXING, TMA,
         )  # fmt: skip
 
 
@@ -238,6 +262,16 @@ def launch_grid(order: torch.Tensor, per_tile: int, bound: tuple[torch.Tensor, i
         return order, ((order.numel() - 1) * per_tile,)
     n_tiles, programs = bound
     return n_tiles, ((programs,) if programs > 0 else ((order.numel() - 1) * per_tile,))
+
+
+def stream_descriptors(tma: bool, device, tensors, rows: int, heads: int, block_d: int):
+    """Descriptors of ``tensors`` with (rows, heads, block_d) blocks when ``tma`` is asked for and
+    every one of them can take one (attention_tma.py), else None: the launch loads through
+    pointers. The placeholders a kernel gets instead are the tensors themselves (never read)."""
+    if not tma or not tma_device(device):
+        return None
+    descs = tuple(block_descriptor(t, rows, heads, block_d) for t in tensors)
+    return None if any(d is None for d in descs) else descs
 
 
 def score_constants(softmax_scale: float, softcap: float) -> tuple[float, float]:
@@ -274,6 +308,7 @@ def attention_forward(
     traceable: bool = False,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
     bound: tuple[torch.Tensor, int] | None = None,
+    tma: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernel; returns o (T_q, H_q, D) and lse (H_q, T_q) fp32 (natural log).
 
@@ -281,7 +316,8 @@ def attention_forward(
     torch.compile sees the kernel); eager calls launch the kernel directly (no HOP dispatch).
     ``out``: (o, lse) to write into (the rows of this launch's tiles) instead of new tensors.
     ``bound``: (n_tiles (1,) int32 on the device, programs): only the first n_tiles entries of
-    ``order`` are work (the long-document launch, ``launch_grid``)."""
+    ``order`` are work (the long-document launch, ``launch_grid``).
+    ``tma``: stream K/V through tensor descriptors where the layout allows (attention_tma.py)."""
     t_q, h_q, dim = q.shape
     t_k, h_kv = k.shape[0], k.shape[1]
     if out is None:
@@ -294,15 +330,17 @@ def attention_forward(
     scale_a, scale_b = score_constants(softmax_scale, softcap)
     n_head_blocks = h_q // fold
     n_work, grid = launch_grid(order, n_head_blocks, bound)
+    block_d = max(16, triton.next_power_of_2(dim))
+    descs = stream_descriptors(tma, q.device, (k, v), block_n, 1, block_d)
     launcher(_attn_fwd_kernel, traceable)[grid](
-        q, k, v, o, lse, lo_q, hi_q, order, n_work,
+        q, k, v, o, lse, lo_q, hi_q, order, n_work, *(descs or (k, v)),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         o.stride(0), o.stride(1),
         t_q, t_k, n_head_blocks, scale_a, scale_b,
-        GROUP=h_q // h_kv, FOLD=fold, HEAD_DIM=dim, BLOCK_D=max(16, triton.next_power_of_2(dim)),
+        GROUP=h_q // h_kv, FOLD=fold, HEAD_DIM=dim, BLOCK_D=block_d,
         BLOCK_M=block_m, BLOCK_N=block_n, SOFTCAP=softcap > 0, IEEE=q.dtype == torch.float32,
         LONG_INDEXING=needs_long_indexing(q, k, v, o) or h_q * t_q >= 2**31,
         PERSISTENT=bound is not None and bound[1] > 0, BOUNDED=bound is not None,
-        num_warps=num_warps, num_stages=num_stages,
+        TMA=descs is not None, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return o, lse

@@ -81,6 +81,11 @@ class KernelConfig:
     # At head dim 128 the best depth depends on the fold (docs/BENCHMARKS.md run N: 3 stages took
     # 32/8/128's fold-4 dK/dV 12-19% faster, 40/8/128's fold-1 one 9-22% slower f+b).
     kv_stages_unfolded: int = 0
+    # Stream the inner loops' blocks (K/V of the forward and dQ steps, Q/dO of the dK/dV steps)
+    # through Hopper tensor descriptors (TMA) where the layout allows (attention_tma.py): the copy
+    # engine computes the addresses, so the registers they took are free for the accumulators.
+    # Off in the shipped configs until measured on the H200; a tuning override may set it (18th).
+    tma: bool = False
 
     def __post_init__(self):
         if not isinstance(self.kv_stages_unfolded, int) or self.kv_stages_unfolded < 0:
@@ -198,7 +203,9 @@ def _load_overrides(path: str) -> dict:
         if k in ("long_min_span", "long_programs_per_sm", "small_max_span"):
             continue
         try:
-            cfg = KernelConfig(*v[:15], *map(bool, v[15:16]), *map(int, v[16:17]))
+            cfg = KernelConfig(
+                *v[:15], *map(bool, v[15:16]), *map(int, v[16:17]), *map(bool, v[17:18])
+            )
         except (TypeError, ValueError) as exc:
             raise ValueError(f"{path}: {k}: {exc}") from None
         if k.startswith("small"):
@@ -221,7 +228,8 @@ def _load_overrides(path: str) -> dict:
 
 def _overrides() -> dict:
     """Configs from $HF_VARLEN_TRITON_ATTN_CONFIG, for tuning runs: JSON {"128": [15 ints
-    (+ bwd_fused 0/1, + kv_stages_unfolded)], "long128": [15 ints], "long_min_span": int,
+    (+ bwd_fused 0/1, + kv_stages_unfolded, + tma 0/1)], "long128": [15 ints (+ the same)],
+    "long_min_span": int,
     "long_programs_per_sm": [fwd, dq, kv], "small128": [15 ints], "small_max_span": int, ...}."""
     path = os.environ.get("HF_VARLEN_TRITON_ATTN_CONFIG")
     return _load_overrides(path) if path else {}
@@ -303,7 +311,7 @@ def kernel_tiling(cfg: KernelConfig, kernel: str, group: int) -> tuple[int, int]
 
 def kernel_launch(cfg: KernelConfig, kernel: str, group: int) -> tuple:
     """Everything that makes one kernel's launch under cfg: (fold, tile, block sizes, warps,
-    stages)."""
+    stages, tma)."""
     fold, tile = kernel_tiling(cfg, kernel, group)
     if kernel == "fwd":
         rest = (cfg.fwd_block_m, cfg.fwd_block_n, cfg.fwd_warps, cfg.fwd_stages)
@@ -311,7 +319,7 @@ def kernel_launch(cfg: KernelConfig, kernel: str, group: int) -> tuple:
         rest = (cfg.dq_block_m, cfg.dq_block_n, cfg.dq_warps, cfg.dq_stages)
     else:
         rest = (cfg.kv_block_n, cfg.kv_block_m, cfg.kv_warps, cfg.kv_stages_at(fold))
-    return (fold, tile, *rest)
+    return (fold, tile, *rest, cfg.tma)
 
 
 def launch_passes(plan, kernel: str, cfg: KernelConfig, long: LongPath | None, group: int,

@@ -1,0 +1,80 @@
+"""Tensor descriptors (Hopper TMA) for the blocks the attention kernels stream in their inner loops.
+
+A launch whose config sets ``KernelConfig.tma`` loads those blocks through a descriptor of the
+whole packed tensor instead of per-lane pointers: K and V in the forward and dQ kernels, Q and dO
+in the dK/dV kernel. The copy engine then moves each block into shared memory, so the kernel
+spends no registers on the block's addresses and masks. Compiled for sm_90 with triton 3.6
+(scripts/kernel_resources.py, docs/BENCHMARKS.md), the 32/8/128 kernels, which all sit at the
+255-register cap, spill about half as much (long forward 262 -> 142 spill instructions, long dK/dV
+136 -> 72; the short dK/dV's 13 and the short forward's 8 go to 0) and the dQ kernels need fewer
+registers (short 255 -> 189). Whether that buys time is for the H200 to say: no config ships
+with it yet.
+
+Shapes: a descriptor covers a (T, H, D) tensor; its block is (rows, heads, D) at coordinates
+(token, head, 0), read as (rows x heads, D) with rows token-major, heads minor: the row order of
+the kernels' folded tiles (``FOLD`` heads of one KV group per token). Rows past T are zero-filled
+by the hardware; rows inside T but outside a tile's span are real tokens the kernels mask, as they
+mask other documents' rows of a shared tile.
+
+A layout the hardware cannot describe (strides or base not 16-byte aligned, a padded head dim, a
+block dimension that is not a power of two, a GPU before sm_90) gets ``None``, and that launch
+loads through pointers as before: ``tma`` is a tuning choice, never a user's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._triton_common import INTERPRET
+
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # a triton without host-side descriptors
+    TensorDescriptor = None
+
+MAX_BOX = 256  # the largest TMA box dimension
+
+
+def tma_device(device: torch.device) -> bool:
+    """Whether launches on ``device`` can take descriptors: sm_90 and newer, or the interpreter
+    (which emulates them, so the CPU tests cover the descriptor path)."""
+    if TensorDescriptor is None:
+        return False
+    if INTERPRET:
+        return True
+    if device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_capability(index) >= (9, 0)
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def block_descriptor(t: torch.Tensor, rows: int, heads: int, block_d: int):
+    """A descriptor of ``t`` (T, H, D) with blocks (rows, heads, D), or None where the layout
+    cannot take one (see the module docstring)."""
+    if TensorDescriptor is None or t.dim() != 3:
+        return None
+    size = t.element_size()
+    if block_d != t.shape[2] or t.stride(2) != 1:
+        return None
+    if any(not _pow2(b) or b > MAX_BOX for b in (rows, heads, block_d)) or heads > t.shape[1]:
+        return None
+    if block_d * size < 16 or (t.storage_offset() * size) % 16:
+        return None
+    if any((t.stride(i) * size) % 16 for i in (0, 1)) or t.shape[0] == 0:
+        return None
+    if _data_ptr(t) % 16:
+        return None
+    return TensorDescriptor.from_tensor(t, [rows, heads, block_d])
+
+
+def _data_ptr(t: torch.Tensor) -> int:
+    """The address, or 0 for a traced (fake / functional) tensor: its storage offset was checked,
+    and the allocator aligns every allocation."""
+    try:
+        return t.data_ptr()
+    except RuntimeError:
+        return 0
