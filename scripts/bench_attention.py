@@ -45,6 +45,8 @@ PROVIDERS = ["triton", "torch", "flex", "fa4", "flash_attn", "sdpa_padded"]
 TRITON_VARIANTS = {
     "triton_fused_bwd": {"bwd_fused": True},  # the fused (atomic dQ) backward
     "triton_tma": {"tma": True},  # tensor-descriptor (TMA) loads of the streamed blocks
+    # both: Q/dO streamed by descriptors, dQ reduced into its fp32 buffer in bulk (FA3's scheme)
+    "triton_fused_tma": {"bwd_fused": True, "tma": True},
 }
 
 

@@ -18,9 +18,12 @@
 #                                  the tuning override vs off, f+b on the short packs, then the
 #                                  attention GPU tests with it on (it ships off until measured)
 #   bash scripts/gpu_evidence.sh tma       OUT_DIR   # tensor-descriptor loads (KernelConfig.tma)
-#                                  on vs off in one run (provider triton_tma), f+b on long and
-#                                  short packs, then the attention, compile and CUDA-graph GPU
-#                                  tests with them forced on (they ship off until measured)
+#                                  on vs off in one run (providers triton_tma, and
+#                                  triton_fused_tma: the fused backward with bulk dQ reductions),
+#                                  f+b on long and short packs (off until measured)
+#   bash scripts/gpu_evidence.sh tma_tests OUT_DIR   # the attention, compile and CUDA-graph GPU
+#                                  tests with descriptors forced on by the tuning override (needs
+#                                  pytest-xdist among the carried wheels, as `suite`)
 #   bash scripts/gpu_evidence.sh e2e       OUT_DIR   # bench_e2e: 1B table + step profiles
 #   bash scripts/gpu_evidence.sh train     OUT_DIR   # hf-varlen train: packed vs padded vs accelerate
 #   bash scripts/gpu_evidence.sh trl       OUT_DIR   # bench_trl: TRL SFTTrainer, bf16, 1B shape
@@ -197,10 +200,15 @@ small)  # run N's small tiles at max spans 256 / 384 against the shipped configs
         python3 -m pytest -q -m "gpu and not big_memory" tests/test_attention_small_tiles.py \
         tests/test_triton_attention.py tests/test_attention_long_path.py
     ;;
-tma)  # descriptors on vs off, interleaved per case; then the GPU tests with them on everywhere
-    step bench_tma 330 python3 scripts/bench_attention.py --providers triton,triton_tma,torch \
-        --no-check --heads 32/8/128,40/8/128,16/16/64 \
-        --cases 32k+alpaca32k,8x8k,alpaca64k,lima64k,alpaca16k --json "$out/tma.json"
+tma)  # descriptors on vs off (and with the fused backward), interleaved per case
+    for heads in 32/8/128,40/8/128 16/16/64; do
+        step "bench_tma_${heads//\//-}" 280 python3 scripts/bench_attention.py \
+            --providers triton,triton_tma,triton_fused_tma,torch --no-check --heads "$heads" \
+            --cases 32k+alpaca32k,8x8k,alpaca64k,lima64k,alpaca16k \
+            --json "$out/tma_${heads//\//-}.json"
+    done
+    ;;
+tma_tests)  # the attention, compile and CUDA-graph GPU tests with descriptors on everywhere
     cfg=/tmp/hf_varlen_tma.json
     python3 - "$cfg" <<'PY'
 import dataclasses, json, sys
@@ -213,10 +221,10 @@ cfg |= {f"long{d}": row(lp.cfg) for d, lp in s._CUDA_LONG.items()}
 cfg["long_min_span"] = s._CUDA_LONG[128].min_span
 json.dump(cfg, open(sys.argv[1], "w"))
 PY
-    step pytest_tma 250 env HF_VARLEN_TRITON_ATTN_CONFIG="$cfg" python3 -m pytest -q \
-        -m "gpu and not big_memory" tests/test_attention_tma.py tests/test_triton_attention.py \
-        tests/test_attention_long_path.py tests/test_compile_attention.py \
-        tests/test_cuda_graph_capture.py
+    step pytest_tma 500 env HF_VARLEN_TRITON_ATTN_CONFIG="$cfg" python3 -m pytest -q \
+        -m "gpu and not big_memory" -n "${HF_VARLEN_GPU_WORKERS:-8}" tests/test_attention_tma.py \
+        tests/test_triton_attention.py tests/test_attention_long_path.py \
+        tests/test_compile_attention.py tests/test_cuda_graph_capture.py
     ;;
 e2e)
     step bench_e2e 560 python3 scripts/bench_e2e.py --out "$out/e2e" --plots-dir "$out/e2e" \

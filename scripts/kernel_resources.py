@@ -12,7 +12,9 @@ small CPU tensors with a launcher that records the kernel's arguments instead of
 arguments are specialised as triton's runtime does (divisibility 16, ints equal to 1 as constants),
 then ``triton.compile`` targets ``cuda:<arch>``. Columns: registers per thread, the spill frame
 (stack bytes per thread) and spill instructions (local stores + loads in the SASS), shared memory,
-TMA copies in the PTX.
+TMA copies, TMA (bulk) reductions and per-element global atomics in the PTX. ``--kernels`` may
+also name ``kv_fused``: the dK/dV kernel of the fused backward, which adds dQ into an fp32 buffer
+(per element with pointers, one bulk reduction per block with descriptors).
 
 Triton's code generation changes between versions: to match the GPU machine put its triton first,
 ``pip install --target DIR --no-deps triton==3.6.0`` then ``PYTHONPATH=DIR python ...``.
@@ -45,6 +47,7 @@ from hf_varlen.ops import attention_bwd, attention_fwd, attention_schedule  # no
 
 TOKENS = 2048  # the host launchers' tensors (no kernel runs: only the argument types matter)
 KERNELS = ("fwd", "dq", "kv")
+KNOWN_KERNELS = (*KERNELS, "kv_fused")  # the fused backward's dK/dV kernel, on request
 
 
 class _Record:
@@ -57,8 +60,11 @@ class _Record:
         return lambda *args, **kwargs: self.calls.append((self.kernel, args, kwargs))
 
 
-def record_launch(kernel: str, cfg, fold: int, heads: tuple[int, int, int], long) -> tuple:
-    """(kernel function, positional args, keyword args) of one launch of ``kernel`` under cfg."""
+def record_launch(
+    kernel: str, cfg, fold: int, heads: tuple[int, int, int], long, fused: bool = False
+) -> tuple:
+    """(kernel function, positional args, keyword args) of one launch of ``kernel`` under cfg;
+    ``fused``: the dK/dV kernel of the fused backward (dQ added into an fp32 buffer)."""
     h_q, h_kv, dim = heads
     calls: list = []
     record = lambda k, traceable: _Record(k, calls)  # noqa: E731
@@ -91,7 +97,8 @@ def record_launch(kernel: str, cfg, fold: int, heads: tuple[int, int, int], long
             attention_bwd.backward_dkdv(
                 do, q, k, v, lse, delta, dk, dv, lo, hi, order, block_m=cfg.kv_block_m,
                 block_n=cfg.kv_block_n, num_warps=cfg.kv_warps,
-                num_stages=cfg.kv_stages_at(fold), **kw,
+                num_stages=cfg.kv_stages_at(fold),
+                dq_acc=torch.zeros(TOKENS, h_q, dim) if fused else None, **kw,
             )  # fmt: skip
     finally:
         attention_fwd.launcher, attention_bwd.launcher, attention_fwd.tma_device = saved
@@ -122,7 +129,8 @@ def compile_launch(fn, args, kwargs, arch: int):
 
 
 def resources(compiled) -> dict:
-    """Registers, local (spill) bytes per thread, shared bytes, TMA copies of a compiled kernel."""
+    """Registers, spill frame and instructions, shared bytes, TMA copies / reductions and global
+    atomics of a compiled kernel."""
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "k.cubin"
@@ -140,21 +148,25 @@ def resources(compiled) -> dict:
         "spill_insts": len(re.findall(r"\b(?:STL|LDL)\b", sass)),
         "shared_bytes": compiled.metadata.shared,
         "tma_copies": compiled.asm["ptx"].count("cp.async.bulk.tensor"),
+        "tma_reductions": compiled.asm["ptx"].count("cp.reduce.async.bulk.tensor"),
+        "atomics": len(re.findall(r"\b(?:red|atom)\.global", compiled.asm["ptx"])),
     }
 
 
 def launches(heads: tuple[int, int, int], kernels=KERNELS):
-    """(path, kernel, config, fold, long path or None) of every launch the product makes."""
+    """(path, kernel, config, fold, long path or None) of every launch the product makes
+    (kernel "kv_fused": the dK/dV kernel of the fused backward)."""
     h_q, h_kv, dim = heads
     group = h_q // h_kv
     key = attention_schedule._key(dim)
     short = attention_schedule._CUDA_CONFIGS[key]
     long = attention_schedule._CUDA_LONG.get(key)
     for kernel in kernels:
-        fold, _ = attention_schedule.kernel_tiling(short, kernel, group)
+        base = "kv" if kernel == "kv_fused" else kernel
+        fold, _ = attention_schedule.kernel_tiling(short, base, group)
         yield "short", kernel, short, fold, None
         if long is not None:
-            fold, _ = attention_schedule.kernel_tiling(long.cfg, kernel, group)
+            fold, _ = attention_schedule.kernel_tiling(long.cfg, base, group)
             yield "long", kernel, long.cfg, fold, long
 
 
@@ -169,13 +181,15 @@ def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: Hopper)")
     p.add_argument("--heads", default="32/8/128,16/16/64", help="H_q/H_kv/D, comma-separated")
-    p.add_argument("--kernels", default=",".join(KERNELS), help=f"comma-separated, of {KERNELS}")
+    p.add_argument(
+        "--kernels", default=",".join(KERNELS), help=f"comma-separated, of {KNOWN_KERNELS}"
+    )
     p.add_argument("--out", default=None, help="also write the markdown table here")
     p.add_argument("--json", default=None, help="also write the rows here")
     args = p.parse_args(argv)
     kernels = args.kernels.split(",")
-    if unknown := [k for k in kernels if k not in KERNELS]:
-        p.error(f"--kernels: unknown {unknown}; known: {list(KERNELS)}")
+    if unknown := [k for k in kernels if k not in KNOWN_KERNELS]:
+        p.error(f"--kernels: unknown {unknown}; known: {list(KNOWN_KERNELS)}")
     rows = []
     for spec in args.heads.split(","):
         try:
@@ -186,12 +200,12 @@ def main(argv=None) -> list[dict]:
         except ValueError:
             p.error(f"--heads: {spec!r} is not H_q/H_kv/D with H_q a multiple of H_kv")
         for path, kernel, cfg, fold, long in launches(heads, kernels):
-            launch = describe(kernel, cfg, heads[0] // heads[1])
+            base = "kv" if kernel == "kv_fused" else kernel
+            launch = describe(base, cfg, heads[0] // heads[1])
             row = {"heads": spec, "path": path, "kernel": kernel, "launch": launch}
             for tma in (False, True):
-                fn, a, kw = record_launch(
-                    kernel, dataclasses.replace(cfg, tma=tma), fold, heads, long
-                )
+                c = dataclasses.replace(cfg, tma=tma)
+                fn, a, kw = record_launch(base, c, fold, heads, long, fused=kernel == "kv_fused")
                 compiled = compile_launch(fn, a, dict(kw), args.arch)
                 row["tma" if tma else "pointers"] = resources(compiled)
             rows.append(row)

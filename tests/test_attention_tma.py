@@ -182,10 +182,8 @@ def test_tma_falls_back_to_pointers_where_the_layout_has_no_descriptor(monkeypat
     assert used == [True, True, False]
 
 
-@pytest.mark.gpu
-def test_gpu_tma_matches_reference(tmp_path, monkeypatch):
-    """Descriptors forced on through the tuning override (the shipped tiles + tma), short and long
-    path, bf16 / fp16, GQA folds 4 and 1, head dims 128 and 64, a softcap."""
+def _tma_override(tmp_path, monkeypatch) -> None:
+    """The shipped tiles with tma on, short and long path, through the tuning override."""
     path = tmp_path / "tma.json"
     cfgs = {}
     for dim in (64, 128):
@@ -196,10 +194,41 @@ def test_gpu_tma_matches_reference(tmp_path, monkeypatch):
     cfgs["long_min_span"] = 1024
     path.write_text(json.dumps(cfgs))
     monkeypatch.setenv("HF_VARLEN_TRITON_ATTN_CONFIG", str(path))
-    used = _record_descriptors(monkeypatch)
+
+
+def _gpu_lengths() -> list[int]:
     g = torch.Generator().manual_seed(0)
-    lengths = torch.randint(1, 300, (40,), generator=g).tolist() + [3000]
-    check(lengths, 32, 8, 128, torch.bfloat16)
-    check(lengths, 40, 8, 128, torch.bfloat16)
-    check(lengths, 16, 16, 64, torch.float16, softcap=20.0)
+    return torch.randint(1, 300, (40,), generator=g).tolist() + [3000]
+
+
+@pytest.mark.gpu
+def test_gpu_tma_matches_reference(tmp_path, monkeypatch):
+    """Descriptors forced on, short and long path, bf16 / fp16, GQA folds 4 and 1 (40/8 heads:
+    the forward folds 5, which loads K/V by descriptor all the same), head dims 128 and 64, a
+    softcap."""
+    _tma_override(tmp_path, monkeypatch)
+    used = _record_descriptors(monkeypatch)
+    check(_gpu_lengths(), 32, 8, 128, torch.bfloat16)
+    check(_gpu_lengths(), 40, 8, 128, torch.bfloat16)
+    check(_gpu_lengths(), 16, 16, 64, torch.float16, softcap=20.0)
     assert used and all(used)
+
+
+@pytest.mark.gpu
+def test_gpu_tma_fused_backward_matches_reference(tmp_path, monkeypatch, fused_backward):
+    """The fused backward with descriptors: dQ reduced into its fp32 buffer one block at a time
+    (cp.reduce.async.bulk, which the interpreter cannot run: only here is it tested)."""
+    _tma_override(tmp_path, monkeypatch)
+    used = _record_descriptors(monkeypatch)
+    check(_gpu_lengths(), 32, 8, 128, torch.bfloat16)
+    check(_gpu_lengths(), 16, 16, 64, torch.float16)
+    assert used and all(used)
+
+
+def test_tma_with_the_fused_backward(monkeypatch, fused_backward):
+    """The fused (atomic dQ) backward with descriptors: Q/dO streamed, the dQ buffer described
+    too (on the GPU its blocks are reduced in bulk; the interpreter adds them per element)."""
+    _force_tma(monkeypatch)
+    used = _record_descriptors(monkeypatch)
+    check([5, 30, 40, 3, 102, 2, 18], 4, 2, 16, torch.float32)
+    assert used == [True] * 4  # forward (short + long), dK/dV (short + long): no dQ kernel

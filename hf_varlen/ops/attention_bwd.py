@@ -17,7 +17,9 @@ Fused backward (``KernelConfig.bwd_fused``, never when a deterministic backward 
 ``_attn_bwd_delta_kernel`` computes delta, then the dK/dV kernel with ``ATOMIC_DQ`` also adds each
 step's dS K into an fp32 dQ buffer (FA2's scheme): the split path computes QK^T and dO V^T twice
 (7 matmuls per visible block), the fused one once (5), which is where long documents spend the
-backward; the atomics make the summation order of dQ vary between runs.
+backward; the atomics make the summation order of dQ vary between runs. With ``KernelConfig.tma``
+each step's dQ block goes into the buffer as one bulk TMA reduction (FA3's scheme) instead of
+per-element atomics.
 
 Both are launched over heaviest-first tile orders (attention_schedule.py). With
 ``KernelConfig.tma`` the blocks each inner loop streams (K/V in dQ, Q/dO in dK/dV) come through
@@ -32,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._triton_common import INTERPRET
 from .attention_fwd import (
     _desc_rows,
     _dot,
@@ -46,6 +49,8 @@ from .attention_fwd import (
     stream_descriptors,
 )
 from .attention_schedule import launch_passes
+
+_INTERPRETED = tl.constexpr(INTERPRET)  # the interpreter has no descriptor reductions
 
 
 @triton.jit
@@ -221,7 +226,7 @@ def _attn_bwd_dq_kernel(
 def _dkdv_step(
     dk, dv, k, v, Q, DO, LSE, DELTA, head, r, start, span_hi, qlo, qhi, d, d_ok, stride_qt,
     stride_qh, stride_dot, stride_doh, T_q, scale_a, scale_b, sm_scale, DQ_ACC, stride_aqt,
-    stride_aqh, Q_DESC, DO_DESC, head0_tma, FOLD: tl.constexpr, TILE: tl.constexpr,
+    stride_aqh, Q_DESC, DO_DESC, DQ_DESC, head0_tma, FOLD: tl.constexpr, TILE: tl.constexpr,
     BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr, LONG_INDEXING: tl.constexpr,
     EVEN_D: tl.constexpr, MASKED: tl.constexpr, MASK_ROWS: tl.constexpr, ATOMIC_DQ: tl.constexpr,
     TMA: tl.constexpr,
@@ -258,14 +263,18 @@ def _dkdv_step(
     dk += _dot(dst.to(q.dtype), q, IEEE)
     if ATOMIC_DQ:  # this key tile's share of dQ = scale * dS K, added into the fp32 buffer
         dq = _dot(tl.trans(dst.to(k.dtype)), k, IEEE) * sm_scale  # (BLOCK_M, BLOCK_D)
-        acc_ptrs = DQ_ACC + tok[:, None] * stride_aqt + head[:, None] * stride_aqh + d[None, :]
-        tl.atomic_add(acc_ptrs, dq, mask=row_ok[:, None] & d_ok[None, :], sem="relaxed")
+        if TMA and not _INTERPRETED:  # one bulk reduction of the block (FA3's dQ scheme); its
+            # rows past span_hi add exact zeros (dS is 0 there), rows past T are clipped
+            DQ_DESC.atomic_add([start, head0_tma, 0], dq.reshape([TILE, FOLD, BLOCK_D]))
+        else:  # the interpreter has no descriptor reductions: per-element atomics there
+            acc_ptrs = DQ_ACC + tok[:, None] * stride_aqt + head[:, None] * stride_aqh + d[None, :]
+            tl.atomic_add(acc_ptrs, dq, mask=row_ok[:, None] & d_ok[None, :], sem="relaxed")
     return dk, dv
 
 
 @triton.jit
 def _dkdv_tile(
-    work, Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, QLO, QHI, ORDER, Q_DESC, DO_DESC,
+    work, Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, QLO, QHI, ORDER, Q_DESC, DO_DESC, DQ_DESC,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_aqt, stride_aqh,
     T_q, T_k, H_KV, scale_a, scale_b, sm_scale,
@@ -311,7 +320,7 @@ def _dkdv_tile(
     for sub in range(GROUP // FOLD):  # a runtime loop: no code copies per head subgroup
         head = kv_head * GROUP + sub * FOLD + r % FOLD
         args = (k, v, Q, DO, LSE, DELTA, head, r)
-        tma = (Q_DESC, DO_DESC, kv_head_tma * GROUP + sub * FOLD)
+        tma = (Q_DESC, DO_DESC, DQ_DESC, kv_head_tma * GROUP + sub * FOLD)
         for i in range(0, n_head):
             dk, dv = _dkdv_step(
                 dk, dv, *args, span_lo + i * TILE, span_hi, qlo, qhi, d, d_ok, stride_qt, stride_qh,
@@ -347,7 +356,7 @@ def _dkdv_tile(
 
 @triton.jit(do_not_specialize=["T_q", "T_k"])
 def _attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, QLO, QHI, ORDER, N_WORK, Q_DESC, DO_DESC,
+    Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, QLO, QHI, ORDER, N_WORK, Q_DESC, DO_DESC, DQ_DESC,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_aqt, stride_aqh,
     T_q, T_k, H_KV, scale_a, scale_b, sm_scale,
@@ -361,8 +370,8 @@ def _attn_bwd_dkdv_kernel(
     scale_a = tl.cast(scale_a, tl.float32)
     scale_b = tl.cast(scale_b, tl.float32)
     sm_scale = tl.cast(sm_scale, tl.float32)
-    args = (Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, QLO, QHI, ORDER, Q_DESC, DO_DESC, stride_qt,
-            stride_qh,
+    args = (Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, QLO, QHI, ORDER, Q_DESC, DO_DESC, DQ_DESC,
+            stride_qt, stride_qh,
             stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_dkt,
             stride_dkh, stride_dvt, stride_dvh, stride_aqt, stride_aqh, T_q, T_k, H_KV, scale_a,
             scale_b, sm_scale)  # fmt: skip
@@ -465,7 +474,9 @@ def backward_dkdv(
     place. With ``dq_acc`` ((T_q, H_q, D) fp32, zeroed) it also adds every tile's scale * dS K
     into it with atomics (the fused backward: no dQ kernel, not bitwise repeatable). ``tma``:
     Q/dO through descriptors of (block_m / fold tokens, fold heads) blocks where the layout allows
-    (attention_tma.py; never with padding rows, whose fold is not a power of two)."""
+    (attention_tma.py; never with padding rows, whose fold is not a power of two), and the fused
+    dQ added as one bulk reduction per block instead of per-element atomics (on the GPU: the
+    interpreter has no descriptor reductions)."""
     scale_a, scale_b = score_constants(softmax_scale, softcap)
     h_kv = k.shape[1]
     acc = dk if dq_acc is None else dq_acc  # a placeholder pointer when there is no fused dQ
@@ -473,16 +484,23 @@ def backward_dkdv(
     common = _common(q, k, v, do, dk, dv, *(() if dq_acc is None else (dq_acc,)), softcap=softcap)
     tile = block_m // fold
     tma = tma and tile * fold == block_m
-    descs = stream_descriptors(tma, q.device, (q, do), tile, fold, common["BLOCK_D"])
+    # the fused dQ buffer takes one too: its blocks are reduced into it in bulk
+    streamed = (q, do) if dq_acc is None else (q, do, dq_acc)
+    descs = stream_descriptors(tma, q.device, streamed, tile, fold, common["BLOCK_D"])
+    use_tma = descs is not None
+    if not use_tma:
+        descs = (q, do, acc)  # placeholders, never read
+    elif dq_acc is None:
+        descs = (*descs, acc)  # no fused dQ: a placeholder for its descriptor
     launcher(_attn_bwd_dkdv_kernel, traceable)[grid](
-        q, k, v, do, lse, delta, dk, dv, acc, qlo_k, qhi_k, order, n_work, *(descs or (q, do)),
+        q, k, v, do, lse, delta, dk, dv, acc, qlo_k, qhi_k, order, n_work, *descs,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
         acc.stride(0), acc.stride(1), q.shape[0], k.shape[0], h_kv, scale_a, scale_b,
         softmax_scale, FOLD=fold, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
         num_stages=num_stages, ATOMIC_DQ=dq_acc is not None,
         PERSISTENT=bound is not None and bound[1] > 0, BOUNDED=bound is not None,
-        TMA=descs is not None, **common,
+        TMA=use_tma, **common,
     )  # fmt: skip
 
 
