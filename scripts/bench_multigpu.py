@@ -10,6 +10,10 @@ Runs, each a real ``hf-varlen train`` (accelerate-launched when several processe
     single-mixed  as single with --precision bf16-mixed: FSDP2's precision (fp32 sharded weights,
                   bf16 compute; scripts/accelerate/fsdp2.yaml), so fsdp2's losses have a reference
     fsdp2         N processes (--fsdp2-config), --grad-accum 1
+    single-graphs as single with --static-shapes --cuda-graphs on (not run unless named in
+                  --runs): the one-GPU step with its host work captured, the ceiling next to
+                  which the eager multi-process runs stand (the CUDA-graph step is one process
+                  only: DDP's all-reduce is eager, hf_varlen/training/graphs.py)
 
 All with --no-shuffle: the sampler deals its fixed order of packs to the ranks, so step s of an
 N-process run trains on exactly the packs of step s of the one-process run with accumulation N
@@ -17,8 +21,12 @@ N-process run trains on exactly the packs of step s of the one-process run with 
 bf16 tolerance in bf16; the table gives the largest relative difference). Per run: tokens/s (all
 processes), tokens/s per process, scaling efficiency (tokens/s / (N x the one-process run's of the
 same precision), skipping step 1 as the summary does), peak memory per rank, and the rank
-imbalance (max / mean real tokens of a step over the ranks, from the trainer's summary).
-Writes ``results.json`` and ``multigpu.md`` (the table, with the run header) under ``--out``.
+imbalance (max / mean real tokens of a step over the ranks, from the trainer's summary). Every
+run profiles one step (``--profile-step``, default the middle one; the trainer's throughput leaves
+it out): per rank, its wall time split into GPU compute, communication (NCCL kernels), the
+communication no compute overlaps, and GPU idle time (hf_varlen/training/profiling.py), which is
+what limits the scaling. Writes ``results.json`` and ``multigpu.md`` (the tables, with the run
+header) under ``--out``.
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 RUNS = ("single", "ddp", "single-mixed", "fsdp2")
+EXTRA_RUNS = ("single-graphs",)  # run only when --runs names them
 REFERENCE = {"ddp": "single", "fsdp2": "single-mixed"}  # whose losses and tokens/s a run meets
 
 
@@ -70,6 +79,8 @@ def command(name: str, args, out_dir: Path) -> list[str]:
         args.dataset,
         *(["--tokenizer", args.tokenizer] if args.tokenizer else []),
         *(["--precision", "bf16-mixed"] if name == "single-mixed" else []),
+        *(["--static-shapes", "--cuda-graphs", "on"] if name == "single-graphs" else []),
+        *(["--profile-step", str(args.profile_step)] if args.profile_step else []),
         *args.train_args,
     ]
     if name.startswith("single"):
@@ -109,6 +120,11 @@ def run_one(name: str, args, out: Path) -> dict:
     summary = json.loads((run_dir / "summary.json").read_text())
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "loss" in r]
+    profiles = []
+    if args.profile_step:
+        for rank in range(summary["processes"]):
+            path = run_dir / "profile" / f"step{args.profile_step}_rank{rank}.json"
+            profiles.append(json.loads(path.read_text()) if path.exists() else {"rank": rank})
     return {
         "name": name,
         "status": "ok",
@@ -120,6 +136,7 @@ def run_one(name: str, args, out: Path) -> dict:
         "ranks": summary.get("ranks"),
         "losses": [r["loss"] for r in steps],
         "real_tokens": [r["real_tokens"] for r in steps],
+        "profile": profiles,
         "command": " ".join(cmd[cmd.index("train") :]),
     }
 
@@ -165,13 +182,38 @@ def table(results: dict[str, dict], header: dict) -> str:
             f"{r['tokens_per_s'] / r['processes']:,.0f} | {eff} | "
             f"{', '.join(f'{p:.2f}' for p in peaks)} | {imb} | {gap} | {same} |"
         )
+    profiled = [(n, r) for n, r in results.items() if r["status"] == "ok" and r.get("profile")]
+    if profiled:
+        lines += [
+            "",
+            f"Where the profiled step's time goes (step {profiled[0][1]['profile'][0].get('step')}"
+            ", per rank; hf_varlen/training/profiling.py):",
+            "",
+            "| run | rank | clock | step ms | compute ms | communication ms | not overlapped ms | "
+            "idle ms | top collective |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for name, r in profiled:
+            for p in r["profile"]:
+                if "step_ms" not in p:
+                    lines.append(f"| {name} | {p['rank']} | no profile written | | | | | | |")
+                    continue
+                fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
+                top = p["top_comm"][0][1] if p.get("top_comm") else "-"
+                lines.append(
+                    f"| {name} | {p['rank']} | {p['clock']} | {p['step_ms']:.1f} | "
+                    f"{p['compute_ms']:.1f} | {p['comm_ms']:.1f} | {fmt(p['comm_exposed_ms'])} | "
+                    f"{fmt(p['idle_ms'])} | {top} |"
+                )
     return "\n".join(lines) + "\n"
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--processes", type=int, default=2)
-    p.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {RUNS}")
+    p.add_argument(
+        "--runs", default=",".join(RUNS), help=f"comma-separated, of {RUNS + EXTRA_RUNS}"
+    )
     p.add_argument("--model", default="tiny-llama")
     p.add_argument("--tokenizer", default=None)
     p.add_argument("--dataset", default="builtin")
@@ -180,6 +222,12 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--ddp-config", default=str(ROOT / "scripts" / "accelerate" / "ddp.yaml"))
     p.add_argument("--fsdp2-config", default=str(ROOT / "scripts" / "accelerate" / "fsdp2.yaml"))
+    p.add_argument(
+        "--profile-step",
+        type=int,
+        default=None,
+        help="the step every run profiles (0: none; default: the middle one, after warm-up)",
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
     p.add_argument("--out", default="runs/multigpu")
     p.add_argument(
@@ -187,10 +235,14 @@ def parse_args(argv=None):
     )
     args = p.parse_args(argv)
     runs = [r for r in args.runs.split(",") if r]
-    if unknown := [r for r in runs if r not in RUNS]:
-        p.error(f"--runs: unknown {unknown}; known: {list(RUNS)}")
+    if unknown := [r for r in runs if r not in RUNS + EXTRA_RUNS]:
+        p.error(f"--runs: unknown {unknown}; known: {list(RUNS + EXTRA_RUNS)}")
     if args.processes < 2:
         p.error(f"--processes {args.processes}: scaling needs at least 2")
+    if args.profile_step is None:
+        args.profile_step = max(1, (args.steps + 1) // 2)
+    if not 0 <= args.profile_step <= args.steps:
+        p.error(f"--profile-step {args.profile_step}: expected 0 (none) to --steps ({args.steps})")
     args.runs = runs
     return args
 

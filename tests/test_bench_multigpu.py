@@ -44,6 +44,12 @@ def test_two_cpu_processes_scale_and_match(tmp_path, monkeypatch):
     text = (tmp_path / "multigpu.md").read_text()
     assert single["distribution"] == "one process" and ddp["distribution"] == "DDP over gloo"
     assert "| ddp | 2 | DDP over gloo |" in text and "(vs single)" in text and "Header:" in text
+    # the middle step profiled on every rank (its time left out of the throughput)
+    assert [p["rank"] for p in ddp["profile"]] == [0, 1] and len(single["profile"]) == 1
+    assert all(p["step"] == 2 and p["step_ms"] > 0 for p in ddp["profile"] + single["profile"])
+    assert any("allreduce" in name for p in ddp["profile"] for _, name in p["top_comm"])
+    assert single["profile"][0]["comm_ms"] == 0.0
+    assert "| ddp | 1 | CPU ops |" in text
 
 
 def test_bad_arguments_are_refused():
@@ -51,3 +57,11 @@ def test_bad_arguments_are_refused():
         bench_multigpu.parse_args(["--runs", "single,tp"])
     with pytest.raises(SystemExit):
         bench_multigpu.parse_args(["--processes", "1"])
+    with pytest.raises(SystemExit):
+        bench_multigpu.parse_args(["--steps", "3", "--profile-step", "4"])
+    assert bench_multigpu.parse_args(["--steps", "30"]).profile_step == 15
+    assert bench_multigpu.parse_args(["--profile-step", "0"]).profile_step == 0
+    graphs = bench_multigpu.parse_args(["--runs", "single-graphs"])
+    cmd = bench_multigpu.command("single-graphs", graphs, Path("run"))
+    assert cmd[cmd.index("--cuda-graphs") + 1] == "on" and "--static-shapes" in cmd
+    assert "single-graphs" not in bench_multigpu.parse_args([]).runs  # only when asked for

@@ -32,7 +32,7 @@ import zipfile
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .config import TENSORBOARD_DIR
+from .config import PROFILE_DIR, TENSORBOARD_DIR
 
 logger = logging.getLogger("hf_varlen.training")
 
@@ -209,7 +209,8 @@ def run_artifacts(output_dir: str) -> list[str]:
     if not os.path.isdir(output_dir):
         return []
     found = [f for f in RUN_FILES if os.path.isfile(os.path.join(output_dir, f))]
-    for folder in ("final", TENSORBOARD_DIR):  # --report-to tensorboard's event files
+    # --report-to tensorboard's event files, --profile-step's summaries and traces
+    for folder in ("final", TENSORBOARD_DIR, PROFILE_DIR):
         if os.path.isdir(os.path.join(output_dir, folder)):
             found.append(folder + "/")
     found += [os.path.basename(c) + "/" for c in checkpoints(output_dir)]

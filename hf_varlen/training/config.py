@@ -32,6 +32,7 @@ TRACKERS = {
 }
 REPORT_TO = ("none", *TRACKERS)
 TENSORBOARD_DIR = "tensorboard"  # under --output-dir
+PROFILE_DIR = "profile"  # under --output-dir: --profile-step's files
 DEFAULT_TOKENS_PER_BATCH = 4096
 
 
@@ -237,6 +238,13 @@ class TrainConfig:
     peak_tflops: float | None = _opt(
         None, "accelerator peak TFLOP/s for the MFU estimate (default: known GPUs only)"
     )
+    profile_step: int | None = _opt(
+        None,
+        "profile optimizer step N (1-based) on every rank with torch.profiler: "
+        "OUTPUT_DIR/profile/step<N>_rank<r>.json splits its time into compute and communication "
+        "(collectives), with the communication no compute overlaps on CUDA, and "
+        "step<N>_rank<r>.trace.json.gz is its Chrome / Perfetto trace",
+    )
 
     # ----------------------------------------------------------------------------------------- #
 
@@ -271,7 +279,9 @@ class TrainConfig:
             "grad_accum", "log_every", "lora_r", "lora_alpha", "builtin_examples", "ddp_timeout",
         ):  # fmt: skip
             check_int(f"--{_flag(name)}", getattr(self, name), 1)
-        for name in ("max_steps", "max_examples", "pad_to_multiple_of", "tokens_per_batch"):
+        for name in (
+            "max_steps", "max_examples", "pad_to_multiple_of", "tokens_per_batch", "profile_step",
+        ):  # fmt: skip
             check_int(f"--{_flag(name)}", getattr(self, name), 1, allow_none=True)
         for name in ("save_every", "eval_every", "seed"):
             check_int(f"--{_flag(name)}", getattr(self, name), 0)

@@ -69,6 +69,7 @@ from .model import (
     resolve_precision,
     scope_backend,
 )
+from .profiling import StepProfiler
 from .run_summary import data_text, ranks_summary, static_shapes_summary
 
 logger = logging.getLogger("hf_varlen.training")
@@ -250,6 +251,14 @@ class PackedTrainer:
         self.bucket_counts = dict.fromkeys(self.batcher.buckets or (), 0)
         per_epoch = math.ceil(len(self.sampler) / cfg.grad_accum)
         self.total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * per_epoch))
+        if cfg.profile_step is not None and cfg.profile_step > self.total_steps:
+            raise ValueError(
+                f"--profile-step {cfg.profile_step}: the run has {self.total_steps} steps; pick "
+                "one of them (or raise --max-steps)"
+            )
+        self.profiler = StepProfiler(
+            cfg.profile_step, cfg.output_dir, self.acc.process_index, self.device
+        )
 
         # Model.
         model = build_model(cfg, self.tokenizer, self.precision, self.device)
@@ -312,6 +321,11 @@ class PackedTrainer:
                     f"--resume {self.resumed_from!r}: loading failed: {exc}"
                 ) from exc
             self._log(f"resumed from {self.resumed_from} at step {self.state.step}")
+            if cfg.profile_step is not None and cfg.profile_step <= self.state.step:
+                raise ValueError(
+                    f"--profile-step {cfg.profile_step}: the run resumes after step "
+                    f"{self.state.step}, so that step will not run; pick a later one"
+                )
         # Built after the resume: it turns the restored learning rates into device tensors.
         self.graphed = (
             GraphedStep(
@@ -574,7 +588,10 @@ class PackedTrainer:
                     last = st.step + 1 >= self.total_steps
                     nxt = st.micro + len(group)
                     ahead = None if last else slots[nxt : nxt + cfg.grad_accum]
-                    counts = self.train_step(group, ahead)
+                    with self.profiler.around(st.step + 1):
+                        counts = self.train_step(group, ahead)
+                    if st.step + 1 == cfg.profile_step:  # its time includes the profiler's
+                        counts["profiled"] = True
                     if per_rank is not None:
                         rows = per_rank[st.micro : st.micro + len(group)]
                         counts["rank_imbalance"] = rank_imbalance(rows.sum(axis=0))
@@ -678,6 +695,7 @@ class PackedTrainer:
                 self.bucket_counts, self._reduce, run_log.records, self.sampler.max_documents
             ),
             ranks=ranks_summary(self.acc, self.device, self.rank_real_tokens, run_log.records),
+            profile=self.profiler.result,
         )
         if self.acc.is_main_process:
             import json

@@ -232,8 +232,9 @@ def read_log(run_dir: str) -> list[dict[str, Any]]:
 
 
 def summarize(records: list[dict[str, Any]], evals: list[dict[str, Any]], **info: Any) -> dict:
-    """Whole-run numbers. Throughput skips step 1 (compilation, allocator warm-up) when it can."""
-    steady = records[1:] if len(records) > 1 else records
+    """Whole-run numbers. Throughput skips step 1 (compilation, allocator warm-up) and the step
+    --profile-step profiled (the profiler's overhead) when it can."""
+    steady = [r for r in records[1:] if not r.get("profiled")] or records[1:] or records
     tokens = sum(r["real_tokens"] for r in steady)
     seconds = sum(r["step_time"] for r in steady)
     mfus = [r["mfu"] for r in steady if r.get("mfu") is not None]
@@ -311,6 +312,8 @@ def format_summary(s: dict[str, Any]) -> str:
         lines.append(f"  compile     {s['compile']['text']}")
     if s.get("cuda_graphs"):
         lines.append(f"  cuda graphs {s['cuda_graphs']['text']}")
+    if s.get("profile"):
+        lines.append(f"  profile     {s['profile']['text']}")
     if s.get("output_dir"):
         lines.append(f"  output      {s['output_dir']}")
     return "\n".join(lines)
