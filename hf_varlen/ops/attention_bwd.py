@@ -38,6 +38,7 @@ from ._triton_common import INTERPRET
 from .attention_fwd import (
     _desc_rows,
     _dot,
+    _keys_t,
     _load,
     _scores,
     _split,
@@ -64,24 +65,11 @@ def _dq_step(
     col_ok = cols <= span_hi
     if LONG_INDEXING:
         cols = cols.to(tl.int64)
-    if TMA:  # keys past span_hi are loaded too; p is 0 there (the mask), and so is dS
-        kt = tl.trans(_desc_rows(K_DESC, start, kv_head_tma, BLOCK_N, 1, BLOCK_D))
-        vt = tl.trans(_desc_rows(V_DESC, start, kv_head_tma, BLOCK_N, 1, BLOCK_D))
-    else:
-        kt = _load(
-            k_base + cols[None, :] * stride_kt + d[:, None],
-            col_ok[None, :],
-            d_ok[:, None],
-            MASKED,
-            EVEN_D,
-        )
-        vt = _load(
-            v_base + cols[None, :] * stride_vt + d[:, None],
-            col_ok[None, :],
-            d_ok[:, None],
-            MASKED,
-            EVEN_D,
-        )
+    # with descriptors, keys past span_hi are loaded too; p is 0 there (the mask), and so is dS
+    kt = _keys_t(K_DESC, k_base, start, kv_head_tma, cols, col_ok, d, d_ok, stride_kt, BLOCK_N,
+                 BLOCK_D, EVEN_D, MASKED, TMA)  # fmt: skip
+    vt = _keys_t(V_DESC, v_base, start, kv_head_tma, cols, col_ok, d, d_ok, stride_vt, BLOCK_N,
+                 BLOCK_D, EVEN_D, MASKED, TMA)  # fmt: skip
     qk = _dot(q, kt, IEEE)
     p = tl.exp2(_scores(qk, scale_a, scale_b, SOFTCAP) - lse2[:, None])
     if MASKED:

@@ -68,6 +68,20 @@ def _desc_rows(desc, tok, head, ROWS: tl.constexpr, HEADS: tl.constexpr, BLOCK_D
 
 
 @triton.jit
+def _keys_t(
+    desc, base, start, kv_head_tma, cols, col_ok, d, d_ok, stride_t, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr,
+):  # fmt: skip
+    """A (D, BLOCK_N) block of K or V transposed: keys ``start`` .. of KV head ``kv_head_tma``,
+    through the descriptor (TMA; keys past ``col_ok`` are loaded too: real rows, or zeros past T,
+    which the caller's mask drops) or through pointers at ``base`` (zeros past ``col_ok``)."""
+    if TMA:
+        return tl.trans(_desc_rows(desc, start, kv_head_tma, BLOCK_N, 1, BLOCK_D))
+    return _load(base + cols[None, :] * stride_t + d[:, None], col_ok[None, :], d_ok[:, None],
+                 MASKED, EVEN_D)  # fmt: skip
+
+
+@triton.jit
 def _split(span_lo, span_hi, full_lo, full_hi, STEP: tl.constexpr):
     """Steps of STEP over [span_lo, span_hi]: n_head masked, then n_mid that lie inside
     [full_lo, full_hi] (seen by every row: no mask), then the rest masked."""
@@ -89,16 +103,8 @@ def _fwd_step(
     col_ok = cols <= span_hi
     if LONG_INDEXING:
         cols = cols.to(tl.int64)
-    if TMA:  # keys past span_hi are loaded too (real rows or zeros past T): the mask drops them
-        kt = tl.trans(_desc_rows(K_DESC, start, kv_head_tma, BLOCK_N, 1, BLOCK_D))
-    else:
-        kt = _load(
-            k_base + cols[None, :] * stride_kt + d[:, None],
-            col_ok[None, :],
-            d_ok[:, None],
-            MASKED,
-            EVEN_D,
-        )
+    kt = _keys_t(K_DESC, k_base, start, kv_head_tma, cols, col_ok, d, d_ok, stride_kt, BLOCK_N,
+                 BLOCK_D, EVEN_D, MASKED, TMA)  # fmt: skip
     s = _scores(_dot(q, kt, IEEE), scale_a, scale_b, SOFTCAP)
     if MASKED:
         vis = (cols[None, :] >= lo[:, None]) & (cols[None, :] <= hi[:, None])
