@@ -14,6 +14,10 @@ Runs, each a real ``hf-varlen train`` (accelerate-launched when several processe
                   --runs): the one-GPU step with its host work captured, the ceiling next to
                   which the eager multi-process runs stand (the CUDA-graph step is one process
                   only: DDP's all-reduce is eager, hf_varlen/training/graphs.py)
+    ddp-resume    (not run unless named) ddp saving a checkpoint at step K (--resume-step, default
+                  the middle one), then a second launch resumed from it: its steps K+1.. must
+                  repeat the first launch's losses and gradient norms (checkpoint + resume across
+                  the ranks)
 
 All with --no-shuffle: the sampler deals its fixed order of packs to the ranks, so step s of an
 N-process run trains on exactly the packs of step s of the one-process run with accumulation N
@@ -44,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 RUNS = ("single", "ddp", "single-mixed", "fsdp2")
-EXTRA_RUNS = ("single-graphs",)  # run only when --runs names them
+EXTRA_RUNS = ("single-graphs", "ddp-resume")  # run only when --runs names them
 REFERENCE = {"ddp": "single", "fsdp2": "single-mixed"}  # whose losses and tokens/s a run meets
 
 
@@ -54,8 +58,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def command(name: str, args, out_dir: Path) -> list[str]:
-    """The ``hf-varlen train`` command line of run ``name``."""
+def command(name: str, args, out_dir: Path, extra=(), profile: bool = True) -> list[str]:
+    """The ``hf-varlen train`` command line of run ``name`` (``extra``: more train flags;
+    ``profile``: pass --profile-step)."""
     n = args.processes
     train = [
         "train",
@@ -80,12 +85,13 @@ def command(name: str, args, out_dir: Path) -> list[str]:
         *(["--tokenizer", args.tokenizer] if args.tokenizer else []),
         *(["--precision", "bf16-mixed"] if name == "single-mixed" else []),
         *(["--static-shapes", "--cuda-graphs", "on"] if name == "single-graphs" else []),
-        *(["--profile-step", str(args.profile_step)] if args.profile_step else []),
+        *(["--profile-step", str(args.profile_step)] if args.profile_step and profile else []),
+        *extra,
         *args.train_args,
     ]
     if name.startswith("single"):
         return [sys.executable, "-m", "hf_varlen.cli", *train]
-    config = args.ddp_config if name == "ddp" else args.fsdp2_config
+    config = args.ddp_config if name.startswith("ddp") else args.fsdp2_config
     launch = ["--config_file", config, "--num_processes", str(n)]
     launch += ["--main_process_port", str(_free_port())]
     return [
@@ -98,10 +104,15 @@ def command(name: str, args, out_dir: Path) -> list[str]:
     ] + train
 
 
-def run_one(name: str, args, out: Path) -> dict:
-    """Train run ``name``; its summary and per-step losses, or a status saying why not."""
-    run_dir = out / name
-    cmd = command(name, args, run_dir)
+def run_one(
+    name: str, args, out: Path, run_dir: Path | None = None, extra=(), profile: bool = True
+) -> dict:
+    """Train run ``name`` (into ``run_dir``, default OUT/name; ``extra``, ``profile``: see
+    ``command``); its summary and per-step losses, or a status saying why not."""
+    if name == "ddp-resume" and run_dir is None:
+        return run_resume(args, out)
+    run_dir = run_dir or out / name
+    cmd = command(name, args, run_dir, extra, profile)
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
@@ -113,7 +124,8 @@ def run_one(name: str, args, out: Path) -> dict:
         )
     except subprocess.TimeoutExpired:
         return {"name": name, "status": f"timeout after {args.timeout:.0f} s"}
-    (out / f"{name}.log").write_text(proc.stdout + proc.stderr)
+    log = "_".join(run_dir.relative_to(out).parts)
+    (out / f"{log}.log").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0 or not (run_dir / "summary.json").exists():
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
         return {"name": name, "status": f"error (rc {proc.returncode}): " + " | ".join(tail)}
@@ -121,7 +133,7 @@ def run_one(name: str, args, out: Path) -> dict:
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "loss" in r]
     profiles = []
-    if args.profile_step:
+    if args.profile_step and profile:
         for rank in range(summary["processes"]):
             path = run_dir / "profile" / f"step{args.profile_step}_rank{rank}.json"
             profiles.append(json.loads(path.read_text()) if path.exists() else {"rank": rank})
@@ -135,9 +147,36 @@ def run_one(name: str, args, out: Path) -> dict:
         "peak_mem_gib": summary["peak_mem_gib"],
         "ranks": summary.get("ranks"),
         "losses": [r["loss"] for r in steps],
+        "grad_norms": [r["grad_norm"] for r in steps],
         "real_tokens": [r["real_tokens"] for r in steps],
         "profile": profiles,
         "command": " ".join(cmd[cmd.index("train") :]),
+    }
+
+
+def run_resume(args, out: Path) -> dict:
+    """ddp-resume: a ddp launch that saves at step K, then one resumed from that checkpoint into
+    a folder of its own; the first launch's result with the resumed steps compared."""
+    k = args.resume_step
+    base = out / "ddp-resume"
+    first = run_one("ddp-resume", args, out, base / "straight", ("--save-every", str(k)))
+    if first["status"] != "ok":
+        return first
+    checkpoint = base / "straight" / f"checkpoint-{k}"
+    second = run_one(
+        "ddp-resume", args, out, base / "resumed", ("--resume", str(checkpoint)), profile=False
+    )
+    if second["status"] != "ok":
+        return {**first, "status": f"resumed launch: {second['status']}"}
+    want, got = first["losses"][k:], second["losses"]
+    gaps = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(got, want)]
+    return {
+        **first,
+        "resume_step": k,
+        "resumed_losses": got,
+        "resume_identical": got == want and second["grad_norms"] == first["grad_norms"][k:],
+        "resume_max_rel_gap": max(gaps, default=0.0),
+        "resumed_steps": len(got),
     }
 
 
@@ -182,6 +221,17 @@ def table(results: dict[str, dict], header: dict) -> str:
             f"{r['tokens_per_s'] / r['processes']:,.0f} | {eff} | "
             f"{', '.join(f'{p:.2f}' for p in peaks)} | {imb} | {gap} | {same} |"
         )
+    resumed = [(n, r) for n, r in results.items() if r["status"] == "ok" and "resume_step" in r]
+    for name, r in resumed:
+        same = "yes" if r["resume_identical"] else "no"
+        lines += [
+            "",
+            f"Checkpoint + resume ({name}, {r['processes']} ranks): saved at step "
+            f"{r['resume_step']}, a second launch resumed from it ran steps {r['resume_step'] + 1}"
+            f"-{r['resume_step'] + r['resumed_steps']}: losses and gradient norms identical to "
+            f"the first launch's: **{same}** (largest relative loss gap "
+            f"{r['resume_max_rel_gap']:.2e}).",
+        ]
     profiled = [(n, r) for n, r in results.items() if r["status"] == "ok" and r.get("profile")]
     if profiled:
         lines += [
@@ -228,6 +278,13 @@ def parse_args(argv=None):
         default=None,
         help="the step every run profiles (0: none; default: the middle one, after warm-up)",
     )
+    p.add_argument(
+        "--resume-step",
+        type=int,
+        default=None,
+        help="ddp-resume: the step whose checkpoint the second launch resumes from (default: the "
+        "middle one)",
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
     p.add_argument("--out", default="runs/multigpu")
     p.add_argument(
@@ -243,6 +300,10 @@ def parse_args(argv=None):
         args.profile_step = max(1, (args.steps + 1) // 2)
     if not 0 <= args.profile_step <= args.steps:
         p.error(f"--profile-step {args.profile_step}: expected 0 (none) to --steps ({args.steps})")
+    if args.resume_step is None:
+        args.resume_step = max(1, args.steps // 2)
+    if not 1 <= args.resume_step < args.steps:
+        p.error(f"--resume-step {args.resume_step}: expected 1 to --steps - 1 ({args.steps - 1})")
     args.runs = runs
     return args
 

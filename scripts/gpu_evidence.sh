@@ -40,8 +40,9 @@
 #   bash scripts/gpu_evidence.sh coverage  OUT_DIR   # bench_coverage_check: the eager offsets check
 #   bash scripts/gpu_evidence.sh multigpu  OUT_DIR   # bench_multigpu: 1 process vs DDP vs FSDP2
 #                                  (1B shape, 16K tokens per rank; needs a machine of >= 2 GPUs)
-#   bash scripts/gpu_evidence.sh multigpu_graphs OUT_DIR  # the one-process CUDA-graph step on
-#                                  the same packs (the ceiling beside DDP / FSDP2's eager steps)
+#   bash scripts/gpu_evidence.sh multigpu_extra OUT_DIR  # the one-process CUDA-graph step on
+#                                  the same packs (the ceiling beside DDP / FSDP2's eager steps),
+#                                  and DDP checkpoint + resume across the ranks (ddp-resume)
 #   bash scripts/gpu_evidence.sh lora      OUT_DIR   # bench_e2e: LoRA r=16 vs full, B8 and B32
 #                                                     (needs the peft wheel among the carried ones)
 #   bash scripts/gpu_evidence.sh bundle    OUT_DIR   # everything under OUT_DIR into one
@@ -298,11 +299,11 @@ multigpu)  # a machine with HF_VARLEN_PROCESSES GPUs (default 2): 1 process vs D
         --dataset "$data/alpaca_5000.json" --tokens-per-batch 16384 --steps 30 \
         --out "$out/multigpu" --timeout 160
     ;;
-multigpu_graphs)  # the one-GPU CUDA-graph step beside them (graphs are one process only)
-    step bench_multigpu_graphs 200 python3 scripts/bench_multigpu.py --runs single-graphs \
-        --processes "${HF_VARLEN_PROCESSES:-2}" --model llama-1b --tokenizer "$data/qwen2" \
-        --dataset "$data/alpaca_5000.json" --tokens-per-batch 16384 --steps 30 \
-        --out "$out/multigpu_graphs" --timeout 180
+multigpu_extra)  # the one-GPU CUDA-graph step (graphs are one process only); DDP resume
+    step bench_multigpu_extra 560 python3 scripts/bench_multigpu.py \
+        --runs single-graphs,ddp-resume --processes "${HF_VARLEN_PROCESSES:-2}" \
+        --model llama-1b --tokenizer "$data/qwen2" --dataset "$data/alpaca_5000.json" \
+        --tokens-per-batch 16384 --steps 30 --out "$out/multigpu_extra" --timeout 180
     ;;
 bundle)  # last in a call: one archive instead of the many files the stages leave
     (cd "$out" && tar czf /tmp/hf_varlen_bundle.tgz --exclude=bundle.tgz . &&

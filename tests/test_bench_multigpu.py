@@ -52,6 +52,29 @@ def test_two_cpu_processes_scale_and_match(tmp_path, monkeypatch):
     assert "| ddp | 1 | CPU ops |" in text
 
 
+def test_two_cpu_processes_resume_identically(tmp_path, monkeypatch):
+    """ddp-resume: the second launch, resumed from the first's step-2 checkpoint, repeats its
+    steps 3-4 bit for bit (fp32, gloo)."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    results = bench_multigpu.main(
+        [
+            "--runs", "ddp-resume",
+            "--ddp-config", str(ROOT / "scripts" / "accelerate" / "cpu_2proc.yaml"),
+            "--tokens-per-batch", "256", "--max-length", "256", "--steps", "4",
+            "--out", str(tmp_path),
+        ]
+    )  # fmt: skip
+    r = results["ddp-resume"]
+    assert r["status"] == "ok", r["status"]
+    assert r["resume_step"] == 2 and r["resumed_steps"] == 2 and r["resume_identical"], r
+    assert r["resume_max_rel_gap"] == 0.0 and r["processes"] == 2
+    assert (tmp_path / "ddp-resume" / "straight" / "checkpoint-2").is_dir()
+    assert (tmp_path / "ddp-resume_resumed.log").exists()
+    text = (tmp_path / "multigpu.md").read_text()
+    assert "saved at step 2, a second launch resumed from it ran steps 3-4" in text
+    assert "identical to the first launch's: **yes**" in text
+
+
 def test_bad_arguments_are_refused():
     with pytest.raises(SystemExit):
         bench_multigpu.parse_args(["--runs", "single,tp"])
@@ -65,3 +88,6 @@ def test_bad_arguments_are_refused():
     cmd = bench_multigpu.command("single-graphs", graphs, Path("run"))
     assert cmd[cmd.index("--cuda-graphs") + 1] == "on" and "--static-shapes" in cmd
     assert "single-graphs" not in bench_multigpu.parse_args([]).runs  # only when asked for
+    assert bench_multigpu.parse_args(["--steps", "30"]).resume_step == 15
+    with pytest.raises(SystemExit):
+        bench_multigpu.parse_args(["--steps", "4", "--resume-step", "4"])
