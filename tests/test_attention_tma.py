@@ -211,6 +211,7 @@ def test_gpu_tma_matches_reference(tmp_path, monkeypatch):
     check(_gpu_lengths(), 32, 8, 128, torch.bfloat16)
     check(_gpu_lengths(), 40, 8, 128, torch.bfloat16)
     check(_gpu_lengths(), 16, 16, 64, torch.float16, softcap=20.0)
+    check([5, 9], 32, 8, 128, torch.bfloat16)  # 14 tokens: boxes longer than the tensor
     assert used and all(used)
 
 

@@ -17,8 +17,9 @@ by the hardware; rows inside T but outside a tile's span are real tokens the ker
 mask other documents' rows of a shared tile.
 
 A layout the hardware cannot describe (strides or base not 16-byte aligned, a padded head dim, a
-block dimension that is not a power of two, a GPU before sm_90) gets ``None``, and that launch
-loads through pointers as before: ``tma`` is a tuning choice, never a user's.
+block dimension that is not a power of two, more heads in a block than the tensor has, a GPU
+before sm_90) gets ``None``, and that launch loads through pointers as before: ``tma`` is a tuning
+choice, never a user's.
 """
 
 from __future__ import annotations
@@ -60,11 +61,16 @@ def block_descriptor(t: torch.Tensor, rows: int, heads: int, block_d: int):
     size = t.element_size()
     if block_d != t.shape[2] or t.stride(2) != 1:
         return None
-    if any(not _pow2(b) or b > MAX_BOX for b in (rows, heads, block_d)) or heads > t.shape[1]:
+    if any(not _pow2(b) or b > MAX_BOX for b in (rows, heads, block_d)):
+        return None
+    # The token count is not compared with the box (a box longer than T is zero-filled): such a
+    # test would put a guard on T into a compiled graph, a recompilation per pack size. Empty is
+    # another matter (a descriptor needs every dimension > 0; compiled graphs assume T >= 2).
+    if heads > t.shape[1] or t.shape[0] == 0:
         return None
     if block_d * size < 16 or (t.storage_offset() * size) % 16:
         return None
-    if any((t.stride(i) * size) % 16 for i in (0, 1)) or t.shape[0] == 0:
+    if any((t.stride(i) * size) % 16 for i in (0, 1)):
         return None
     if _data_ptr(t) % 16:
         return None
