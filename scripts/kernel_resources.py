@@ -220,9 +220,12 @@ def main(argv=None) -> list[dict]:
 
 
 def table(rows: list[dict], arch: int) -> str:
+    from bench_common import run_header
+
+    info = run_header()
     head = (
         f"Header: `target: cuda sm_{arch} (compiled offline, no GPU) | triton: {triton.__version__} "
-        f"| torch: {torch.__version__}`"
+        f"| torch: {torch.__version__} | commit: {info['commit']} | {info['date']}`"
     )
     lines = [
         head,
