@@ -109,8 +109,6 @@ def run_one(
 ) -> dict:
     """Train run ``name`` (into ``run_dir``, default OUT/name; ``extra``, ``profile``: see
     ``command``); its summary and per-step losses, or a status saying why not."""
-    if name == "ddp-resume" and run_dir is None:
-        return run_resume(args, out)
     run_dir = run_dir or out / name
     cmd = command(name, args, run_dir, extra, profile)
     env = {
@@ -317,7 +315,7 @@ def main(argv=None) -> dict:
     header = run_header(processes=args.processes, model=args.model, steps=args.steps)
     results: dict[str, dict] = {}
     for name in args.runs:
-        results[name] = run_one(name, args, out)
+        results[name] = run_resume(args, out) if name == "ddp-resume" else run_one(name, args, out)
         r = results[name]
         done = f"{r['tokens_per_s']:,.0f} tokens/s" if r["status"] == "ok" else r["status"]
         print(f"{name}: {done}", flush=True)

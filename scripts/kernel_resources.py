@@ -43,7 +43,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.backends.nvidia.compiler import CUDABackend  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from hf_varlen.ops import attention_bwd, attention_fwd, attention_schedule  # noqa: E402
+from hf_varlen.ops import attention_bwd, attention_fwd, attention_schedule, attention_tma  # noqa: E402
 
 TOKENS = 2048  # the host launchers' tensors (no kernel runs: only the argument types matter)
 KERNELS = ("fwd", "dq", "kv")
@@ -68,9 +68,9 @@ def record_launch(
     h_q, h_kv, dim = heads
     calls: list = []
     record = lambda k, traceable: _Record(k, calls)  # noqa: E731
-    saved = attention_fwd.launcher, attention_bwd.launcher, attention_fwd.tma_device
+    saved = attention_fwd.launcher, attention_bwd.launcher, attention_tma.tma_device
     attention_fwd.launcher = attention_bwd.launcher = record
-    attention_fwd.tma_device = lambda device: True  # this script compiles for sm_90+
+    attention_tma.tma_device = lambda device: True  # this script compiles for sm_90+
     try:
         bf = dict(dtype=torch.bfloat16)
         q, o, do, dq = (torch.zeros(TOKENS, h_q, dim, **bf) for _ in range(4))
@@ -101,7 +101,7 @@ def record_launch(
                 dq_acc=torch.zeros(TOKENS, h_q, dim) if fused else None, **kw,
             )  # fmt: skip
     finally:
-        attention_fwd.launcher, attention_bwd.launcher, attention_fwd.tma_device = saved
+        attention_fwd.launcher, attention_bwd.launcher, attention_tma.tma_device = saved
     (call,) = calls
     return call
 

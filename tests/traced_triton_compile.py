@@ -56,6 +56,7 @@ def main(kind: str, style: str, steps: int, variant: str = "split") -> dict:
     import hf_varlen.ops.attention as attention
     import hf_varlen.ops.attention_bwd as attention_bwd
     import hf_varlen.ops.attention_fwd as attention_fwd
+    import hf_varlen.ops.attention_tma as attention_tma
     from hf_varlen.backends import registry
     from hf_varlen.metadata import mark_dynamic_pack
     from hf_varlen.ops.attention_schedule import _CUDA_CONFIGS, KernelConfig, SmallPath
@@ -63,7 +64,7 @@ def main(kind: str, style: str, steps: int, variant: str = "split") -> dict:
     attention_fwd.launcher = attention_bwd.launcher = lambda kernel, traceable: _NoLaunch()
     tma = variant == "tma"
     if tma:  # descriptors as on an sm_90 GPU (attention_tma.py), in the long launches too
-        attention_fwd.tma_device = lambda device: True
+        attention_tma.tma_device = lambda device: True
         long = attention.pick_long_path(64, torch.float32, torch.device("cpu"))
         long = dataclasses.replace(long, cfg=dataclasses.replace(long.cfg, tma=True))
         attention.pick_long_path = lambda head_dim, dtype, device: long

@@ -47,9 +47,9 @@ from .attention_fwd import (
     launcher,
     needs_long_indexing,
     score_constants,
-    stream_descriptors,
 )
 from .attention_schedule import launch_passes
+from .attention_tma import stream_descriptors
 
 _INTERPRETED = tl.constexpr(INTERPRET)  # the interpreter has no descriptor reductions
 

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_tma import block_descriptor, tma_device
+from .attention_tma import stream_descriptors
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -268,16 +268,6 @@ def launch_grid(order: torch.Tensor, per_tile: int, bound: tuple[torch.Tensor, i
         return order, ((order.numel() - 1) * per_tile,)
     n_tiles, programs = bound
     return n_tiles, ((programs,) if programs > 0 else ((order.numel() - 1) * per_tile,))
-
-
-def stream_descriptors(tma: bool, device, tensors, rows: int, heads: int, block_d: int):
-    """Descriptors of ``tensors`` with (rows, heads, block_d) blocks when ``tma`` is asked for and
-    every one of them can take one (attention_tma.py), else None: the launch loads through
-    pointers. The placeholders a kernel gets instead are the tensors themselves (never read)."""
-    if not tma or not tma_device(device):
-        return None
-    descs = tuple(block_descriptor(t, rows, heads, block_d) for t in tensors)
-    return None if any(d is None for d in descs) else descs
 
 
 def score_constants(softmax_scale: float, softcap: float) -> tuple[float, float]:

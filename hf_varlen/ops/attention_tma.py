@@ -84,3 +84,13 @@ def _data_ptr(t: torch.Tensor) -> int:
         return t.data_ptr()
     except RuntimeError:
         return 0
+
+
+def stream_descriptors(tma: bool, device, tensors, rows: int, heads: int, block_d: int):
+    """Descriptors of ``tensors`` with (rows, heads, block_d) blocks when ``tma`` is asked for and
+    every one of them can take one (``block_descriptor``), else None: the launch loads through
+    pointers. The placeholders a kernel gets instead are the tensors themselves (never read)."""
+    if not tma or not tma_device(device):
+        return None
+    descs = tuple(block_descriptor(t, rows, heads, block_d) for t in tensors)
+    return None if any(d is None for d in descs) else descs

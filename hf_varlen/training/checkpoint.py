@@ -403,3 +403,29 @@ def export_model(accelerator, model, tokenizer, path: str) -> None:
         _publish(tmp, path)
 
     _on_main(accelerator, f"saving the final model to {path}", write)
+
+
+def prepare_output_dir(out: str, overwrite: bool, resumed_from: str | None, acc) -> None:
+    """Refuse to mix two runs in one --output-dir ``out``; ``overwrite``
+    (--overwrite-output-dir) removes the old one (on the main process; every rank waits)."""
+    found = run_artifacts(out)
+    parent = os.path.dirname(os.path.abspath(resumed_from or out))
+    inside = resumed_from is not None and os.path.isdir(out) and os.path.samefile(parent, out)
+    if overwrite:
+        if inside:
+            raise ValueError(
+                f"--overwrite-output-dir would delete {resumed_from}, which --resume names; drop "
+                "one of the two"
+            )
+        if found and acc.is_main_process:
+            remove_run(out)
+            logger.warning("--overwrite-output-dir: removed from %s: %s", out, ", ".join(found))
+        acc.wait_for_everyone()
+    elif found and not inside:
+        start = "a new run" if resumed_from is None else "a resumed run"
+        raise ValueError(
+            f"--output-dir {out!r} already holds a run ({', '.join(found[:6])}); {start} "
+            "there would mix with it. Pass --resume latest to continue it, "
+            "--overwrite-output-dir to replace it (its checkpoints are deleted too), or choose "
+            "another --output-dir"
+        )

@@ -218,7 +218,9 @@ class PackedTrainer:
             processes=self.acc.num_processes,
             without_rng=cfg.resume_without_rng,
         )
-        self._prepare_output_dir()
+        ckpt.prepare_output_dir(
+            cfg.output_dir, cfg.overwrite_output_dir, self.resumed_from, self.acc
+        )
         if self.acc.is_main_process:  # the resolved options: `hf-varlen train --config` re-runs
             os.makedirs(cfg.output_dir, exist_ok=True)
             cfg.save_yaml(os.path.join(cfg.output_dir, CONFIG_FILE))
@@ -251,13 +253,8 @@ class PackedTrainer:
         self.bucket_counts = dict.fromkeys(self.batcher.buckets or (), 0)
         per_epoch = math.ceil(len(self.sampler) / cfg.grad_accum)
         self.total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * per_epoch))
-        if cfg.profile_step is not None and cfg.profile_step > self.total_steps:
-            raise ValueError(
-                f"--profile-step {cfg.profile_step}: the run has {self.total_steps} steps; pick "
-                "one of them (or raise --max-steps)"
-            )
         self.profiler = StepProfiler(
-            cfg.profile_step, cfg.output_dir, self.acc.process_index, self.device
+            cfg.profile_step, self.total_steps, cfg.output_dir, self.acc.process_index, self.device
         )
 
         # Model.
@@ -321,11 +318,7 @@ class PackedTrainer:
                     f"--resume {self.resumed_from!r}: loading failed: {exc}"
                 ) from exc
             self._log(f"resumed from {self.resumed_from} at step {self.state.step}")
-            if cfg.profile_step is not None and cfg.profile_step <= self.state.step:
-                raise ValueError(
-                    f"--profile-step {cfg.profile_step}: the run resumes after step "
-                    f"{self.state.step}, so that step will not run; pick a later one"
-                )
+            self.profiler.check_resume(self.state.step)
         # Built after the resume: it turns the restored learning rates into device tensors.
         self.graphed = (
             GraphedStep(
@@ -338,33 +331,6 @@ class PackedTrainer:
             if graphs_on
             else None
         )
-
-    def _prepare_output_dir(self) -> None:
-        """Refuse to mix two runs in one --output-dir; --overwrite-output-dir removes the old one."""
-        cfg, out = self.cfg, self.cfg.output_dir
-        found = ckpt.run_artifacts(out)
-        parent = os.path.dirname(os.path.abspath(self.resumed_from or out))
-        inside = (
-            self.resumed_from is not None and os.path.isdir(out) and os.path.samefile(parent, out)
-        )
-        if cfg.overwrite_output_dir:
-            if inside:
-                raise ValueError(
-                    f"--overwrite-output-dir would delete {self.resumed_from}, which --resume "
-                    "names; drop one of the two"
-                )
-            if found and self.acc.is_main_process:
-                ckpt.remove_run(out)
-                logger.warning("--overwrite-output-dir: removed from %s: %s", out, ", ".join(found))
-            self.acc.wait_for_everyone()
-        elif found and not inside:
-            start = "a new run" if self.resumed_from is None else "a resumed run"
-            raise ValueError(
-                f"--output-dir {out!r} already holds a run ({', '.join(found[:6])}); {start} "
-                "there would mix with it. Pass --resume latest to continue it, "
-                "--overwrite-output-dir to replace it (its checkpoints are deleted too), or choose "
-                "another --output-dir"
-            )
 
     # ------------------------------------------------------------------------------------------ #
 
@@ -590,7 +556,7 @@ class PackedTrainer:
                     ahead = None if last else slots[nxt : nxt + cfg.grad_accum]
                     with self.profiler.around(st.step + 1):
                         counts = self.train_step(group, ahead)
-                    if st.step + 1 == cfg.profile_step:  # its time includes the profiler's
+                    if st.step + 1 == self.profiler.step:  # its time includes the profiler's
                         counts["profiled"] = True
                     if per_rank is not None:
                         rows = per_rank[st.micro : st.micro + len(group)]

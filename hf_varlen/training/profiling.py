@@ -58,13 +58,14 @@ def minus_ms(these: list[tuple[float, float]], those: list[tuple[float, float]])
 def split_events(events: list[tuple[str, float, float]]) -> dict[str, Any]:
     """``events`` (name, start us, end us) of the work clock, split into compute and
     communication: interval unions (ms), exposed communication (ms), and the top names by time."""
-    comm = [(a, b) for name, a, b in events if COMM.search(name)]
-    compute = [(a, b) for name, a, b in events if not COMM.search(name)]
+    is_comm = {name: bool(COMM.search(name)) for name, _, _ in events}
+    comm = [(a, b) for name, a, b in events if is_comm[name]]
+    compute = [(a, b) for name, a, b in events if not is_comm[name]]
 
-    def top(pick) -> list[list]:
+    def top(want_comm: bool) -> list[list]:
         by: dict[str, float] = {}
         for name, a, b in events:
-            if pick(name):
+            if is_comm[name] == want_comm:
                 by[name] = by.get(name, 0.0) + (b - a) / 1e3
         return [[ms, name[:120]] for name, ms in sorted(by.items(), key=lambda x: -x[1])[:TOP]]
 
@@ -73,8 +74,8 @@ def split_events(events: list[tuple[str, float, float]]) -> dict[str, Any]:
         "comm_ms": union_ms(comm),
         "comm_exposed_ms": minus_ms(comm, compute),
         "busy_ms": union_ms(compute + comm),
-        "top_compute": top(lambda n: not COMM.search(n)),
-        "top_comm": top(lambda n: bool(COMM.search(n))),
+        "top_compute": top(False),
+        "top_comm": top(True),
     }
 
 
@@ -124,10 +125,25 @@ class StepProfiler:
     """Profiles optimizer step ``step`` (1-based) of this rank when it runs: ``around(step)`` is a
     context manager that profiles only that step and writes its files on exit."""
 
-    def __init__(self, step: int | None, output_dir: str, rank: int, device: torch.device):
+    def __init__(
+        self, step: int | None, total_steps: int, output_dir: str, rank: int, device: torch.device
+    ):
+        if step is not None and step > total_steps:
+            raise ValueError(
+                f"--profile-step {step}: the run has {total_steps} steps; pick one of them (or "
+                "raise --max-steps)"
+            )
         self.step, self.rank, self.device = step, rank, device
         self.dir = os.path.join(output_dir, PROFILE_DIR)
         self.result: dict[str, Any] | None = None
+
+    def check_resume(self, resumed_step: int) -> None:
+        """A run resumed after ``resumed_step`` never runs the steps up to it: refuse those."""
+        if self.step is not None and self.step <= resumed_step:
+            raise ValueError(
+                f"--profile-step {self.step}: the run resumes after step {resumed_step}, so that "
+                "step will not run; pick a later one"
+            )
 
     @contextlib.contextmanager
     def around(self, step: int):
