@@ -267,7 +267,7 @@ def test_an_fsdp_launch_accelerate_runs_unsharded_is_refused(tmp_path):
 
 
 _TWICE = """
-import json, sys
+import json, os, sys
 from hf_varlen.training import PackedTrainer, TrainConfig
 
 out = []
@@ -277,7 +277,9 @@ for i in range(2):
     trainer = PackedTrainer(cfg)
     out.append(trainer.run()["distribution"])
 trainer.close()
-print("RUNS", json.dumps(out))
+# one write per rank (print's separate writes of "RUNS", " ", ... interleaved between the ranks)
+sys.stdout.write(f"RUNS {os.environ['RANK']} {json.dumps(out)}\\n")
+sys.stdout.flush()
 """
 
 
@@ -293,7 +295,8 @@ def test_two_trainers_in_one_launched_script(tmp_path):
     cmd += [str(tmp_path / "train.json"), str(tmp_path / "run")]
     proc = _run_launch(cmd)
     assert proc.returncode == 0, proc.stderr[-20000:]
-    assert 'RUNS ["DDP over gloo", "DDP over gloo"]' in proc.stdout
+    for rank in (0, 1):
+        assert f'RUNS {rank} ["DDP over gloo", "DDP over gloo"]' in proc.stdout, proc.stdout
 
 
 def test_watchdog_dumps_a_hung_launch_and_ends_it():
