@@ -267,7 +267,7 @@ def test_an_fsdp_launch_accelerate_runs_unsharded_is_refused(tmp_path):
 
 
 _TWICE = """
-import json, os, sys
+import json, os, sys, weakref
 from hf_varlen.training import PackedTrainer, TrainConfig
 
 out = []
@@ -276,7 +276,10 @@ for i in range(2):
                       progress=False, save_final=False, output_dir=sys.argv[2] + str(i))
     trainer = PackedTrainer(cfg)
     out.append(trainer.run()["distribution"])
+wrapper = weakref.ref(trainer.model)
 trainer.close()
+# close() frees the DDP wrapper (its Reducer) while it still holds the group (loop.py says why)
+out.append([wrapper() is None, type(trainer.model).__name__])
 # one write per rank (print's separate writes of "RUNS", " ", ... interleaved between the ranks)
 sys.stdout.write(f"RUNS {os.environ['RANK']} {json.dumps(out)}\\n")
 sys.stdout.flush()
@@ -285,7 +288,7 @@ sys.stdout.flush()
 
 def test_two_trainers_in_one_launched_script(tmp_path):
     """The Python API under `accelerate launch`: run() leaves the process group to the script
-    (a second trainer trains on it), close() ends it."""
+    (a second trainer trains on it), close() ends it and leaves the unwrapped model."""
     (tmp_path / "train.json").write_text(json.dumps(_texts(TRAIN_LENGTHS)))
     script = tmp_path / "twice.py"
     script.write_text(_TWICE)
@@ -296,7 +299,10 @@ def test_two_trainers_in_one_launched_script(tmp_path):
     proc = _run_launch(cmd)
     assert proc.returncode == 0, proc.stderr[-20000:]
     for rank in (0, 1):
-        assert f'RUNS {rank} ["DDP over gloo", "DDP over gloo"]' in proc.stdout, proc.stdout
+        assert (
+            f'RUNS {rank} ["DDP over gloo", "DDP over gloo", [true, "LlamaForCausalLM"]]'
+            in proc.stdout
+        ), proc.stdout
 
 
 def test_watchdog_dumps_a_hung_launch_and_ends_it():

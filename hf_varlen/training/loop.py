@@ -609,10 +609,22 @@ class PackedTrainer:
         for the owner of the process (``hf-varlen train`` calls it), when nothing will train in
         this process again: a later trainer here would find no group. A gloo/NCCL group left for
         interpreter exit to tear down can abort a rank after a run that succeeded ("terminate
-        called without an active exception", SIGABRT). A no-op for one process."""
+        called without an active exception", SIGABRT). A no-op for one process. Afterwards
+        ``self.model`` is the unwrapped model: the DDP / FSDP wrapper is released with the group."""
         if self.acc.num_processes > 1 and torch.distributed.is_initialized():
             self.acc.wait_for_everyone()
+            # The order matters. DDP's C++ Reducer holds the group, and when Python frees it the
+            # group's destructor runs with the GIL held: ~ProcessGroupGloo joins gloo's worker
+            # threads, one of which may still be freeing the last collective's tensors, which
+            # takes the GIL -- a deadlock (2 of 46 two-process CPU launches hung so after their
+            # summary, py-spy: ~Reducer -> ~ProcessGroupGloo -> thread::join). So the wrapper goes
+            # while `world` still holds the group, and the last reference to the group goes
+            # through ProcessGroup's Python binding, which releases the GIL while the threads join.
+            world = torch.distributed.group.WORLD
             self.acc.state.destroy_process_group()
+            self.model = self.acc.unwrap_model(self.model)
+            self.acc.free_memory()  # accelerate's own references to the wrapper, then gc
+            del world
 
     def _eval_record(self, run_log: RunLogger, st: ckpt.RunState) -> dict[str, Any]:
         result = self.evaluate()
