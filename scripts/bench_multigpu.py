@@ -29,8 +29,7 @@ imbalance (max / mean real tokens of a step over the ranks, from the trainer's s
 run profiles one step (``--profile-step``, default the middle one; the trainer's throughput leaves
 it out): per rank, its wall time split into GPU compute, communication (NCCL kernels), the
 communication no compute overlaps, and GPU idle time (hf_varlen/training/profiling.py), which is
-what limits the scaling (the trainer refuses it on several CPU processes: pass --profile-step 0
-there). Writes ``results.json`` and ``multigpu.md`` (the tables, with the run
+what limits the scaling (on CPU processes over gloo it cannot split communication from compute). Writes ``results.json`` and ``multigpu.md`` (the tables, with the run
 header) under ``--out``.
 """
 

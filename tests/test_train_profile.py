@@ -1,6 +1,6 @@
 """``hf-varlen train --profile-step N`` (hf_varlen/training/profiling.py): the interval arithmetic
 of the compute / communication split, and a profiled step of a CPU run (its files, its summary
-line, the throughput that leaves it out, the option's checks, several CPU processes refused)."""
+line, the throughput that leaves it out, the option's checks)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,12 @@ import gzip
 import json
 
 import pytest
-import torch
 from tiny_runs import tiny_train_config
 
 from hf_varlen.training import PackedTrainer
 from hf_varlen.training.config import parse_args
 from hf_varlen.training.metrics import summarize
-from hf_varlen.training.profiling import StepProfiler, minus_ms, split_events, union_ms
+from hf_varlen.training.profiling import minus_ms, split_events, union_ms
 
 
 def test_interval_unions():
@@ -76,16 +75,6 @@ def test_profile_step_is_checked(tmp_path):
         parse_args(["--profile-step", "0"]).validate()
     with pytest.raises(ValueError, match="--profile-step 9: the run has 5 steps"):
         PackedTrainer(tiny_train_config(tmp_path, "a", profile_step=9))
-
-
-def test_several_cpu_processes_are_refused(tmp_path):
-    """Measured: profiled two-process gloo runs hung at exit (2 of 12); the CPU cannot split
-    communication anyway. One CPU process, and CUDA, are profiled."""
-    with pytest.raises(ValueError, match="--profile-step 2 with 2 CPU processes: .* one process"):
-        StepProfiler(2, 5, str(tmp_path), 0, torch.device("cpu"), processes=2)
-    StepProfiler(2, 5, str(tmp_path), 0, torch.device("cpu"), processes=1)
-    StepProfiler(2, 5, str(tmp_path), 0, torch.device("cuda"), processes=2)
-    StepProfiler(None, 5, str(tmp_path), 0, torch.device("cpu"), processes=2)
 
 
 def test_a_resumed_run_refuses_a_profile_step_it_will_not_run(tmp_path):

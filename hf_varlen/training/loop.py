@@ -254,9 +254,8 @@ class PackedTrainer:
         per_epoch = math.ceil(len(self.sampler) / cfg.grad_accum)
         self.total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * per_epoch))
         self.profiler = StepProfiler(
-            cfg.profile_step, self.total_steps, cfg.output_dir, self.acc.process_index,
-            self.device, self.acc.num_processes,
-        )  # fmt: skip
+            cfg.profile_step, self.total_steps, cfg.output_dir, self.acc.process_index, self.device
+        )
 
         # Model.
         model = build_model(cfg, self.tokenizer, self.precision, self.device)

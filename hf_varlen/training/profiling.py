@@ -10,10 +10,10 @@ Every rank profiles its step N and writes, under OUTPUT_DIR/profile/:
   compute kernels and collectives.
 - ``step<N>_rank<r>.trace.json.gz``: the Chrome / Perfetto trace of the step.
 
-Times are unions of intervals, so kernels of one kind that overlap (streams) count once. Several
-CPU processes are refused: a profiled gloo run can hang at exit, and gloo does the collectives'
-work, and the waits for it, on threads of its own, outside any op, so the CPU cannot split
-communication from compute. On one CPU process ``exposed`` and ``idle`` are None (ops nest; there
+Times are unions of intervals, so kernels of one kind that overlap (streams) count once. On
+several CPU processes gloo does the collectives' work, and the waits for it, on threads of its
+own, outside any op, so the CPU cannot split communication from compute (the summary line says
+so). On one CPU process ``exposed`` and ``idle`` are None (ops nest; there
 is no device timeline). The profiled step's record carries ``profiled`` and the summary's
 throughput leaves it out.
 """
@@ -133,17 +133,7 @@ class StepProfiler:
         output_dir: str,
         rank: int,
         device: torch.device,
-        processes: int = 1,
     ):
-        if step is not None and processes > 1 and device.type != "cuda":
-            # Measured: 2 of 12 two-process gloo runs profiled hung after their summary, at
-            # teardown (the main thread in the trainer's destruction, a thread of torch's own with
-            # no Python frame); none of 12 unprofiled ones. And on the CPU the split says nothing.
-            raise ValueError(
-                f"--profile-step {step} with {processes} CPU processes: torch's profiler can hang "
-                "gloo processes at exit, and on the CPU it cannot split communication from "
-                "compute; profile one process, or a multi-GPU (NCCL) run"
-            )
         if step is not None and step > total_steps:
             raise ValueError(
                 f"--profile-step {step}: the run has {total_steps} steps; pick one of them (or "
