@@ -74,6 +74,23 @@ def symbolic_batch_ints():
     return config.patch(dynamic_sources=",".join(filter(None, (config.dynamic_sources, ours))))
 
 
+def checkpointed_side_effects(model) -> dict[str, bool]:
+    """Dynamo config patches for compiling ``model`` (pass them to ``torch._dynamo.config.patch``).
+
+    transformers >= 5.25 decorates its attention classes with kernels' ``use_kernelized_func``
+    (kernels >= 0.19; instances then carry ``_kernel_funcs``), whose forward sets and resets a
+    module-global context variable on every call. Inside a gradient-checkpointed layer Dynamo
+    refuses that mutation ("HOP: Unsafe side effect ... CompileableContextVar"): fullgraph fails,
+    otherwise every layer runs eager, whatever the attention implementation. The variable is
+    restored within the call, so the backward's recompute loses nothing by not replaying it:
+    such models get ``skip_fwd_side_effects_in_bwd_under_checkpoint``; other models nothing."""
+    if not hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        return {}
+    if any("_kernel_funcs" in vars(m) for m in model.modules()):
+        return {"skip_fwd_side_effects_in_bwd_under_checkpoint": True}
+    return {}
+
+
 def mark_dynamic_pack(batch):
     """Mark a packed batch's token dimension and document count dynamic for torch.compile.
 

@@ -2,14 +2,18 @@
 
 - attention sinks (gpt-oss's s_aux): the first forward raises, naming the model;
 - a model whose attention needs a 4-D mask (DSA indexer: deepseek_v32, glm_moe_dsa) or that does
-  not use transformers' attention interface (bloom, codegen, xglm, mpt): the first forward raises
-  from the mask function, before any layer runs; ``check_model`` says the same without a forward;
-- models that never pass position_ids to their attention layers (persimmon, ministral3,
-  cohere_compass): a batch packed by position_ids alone raises, pointing at the collator kwargs;
-  the same batch with cu_seq_lens kwargs equals each document run alone.
+  not use transformers' attention interface (bloom, xglm, mpt; codegen, falcon and gptj up to
+  transformers 5.24): the first forward raises from the mask function, before any layer runs;
+  ``check_model`` says the same without a forward. Classes a later transformers moves onto the
+  interface must then be exact (packed = each document alone);
+- models that never pass position_ids to their attention layers (persimmon, cohere_compass;
+  ministral3 up to 5.24): a batch packed by position_ids alone raises, pointing at the collator
+  kwargs; the same batch with cu_seq_lens kwargs equals each document run alone.
 """
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -84,9 +88,44 @@ def test_attention_sinks_raise_at_first_forward_naming_the_model():
         model(input_ids=_ids())
 
 
+def _uses_attention_interface(model) -> bool:
+    # transformers moves legacy classes onto its attention interface release by release (5.25:
+    # codegen, falcon, gptj); the tests follow the installed release's own flag
+    return bool(getattr(model, "_supports_attention_backend", False))
+
+
+def _packed_matches_each_document(build) -> None:
+    """``build(attn)`` -> model: a PackingCollator batch under varlen_packed equals each document
+    run alone under eager, and so does the same batch packed by position_ids alone."""
+    g = torch.Generator().manual_seed(1)
+    docs = [torch.randint(3, VOCAB, (n,), generator=g) for n in (5, 7, 4)]
+    batch = hf_varlen.PackingCollator()([{"input_ids": d.tolist()} for d in docs])
+    batch.pop("labels")
+    torch.manual_seed(0)
+    model = build(ATTN).eval()
+    torch.manual_seed(0)
+    ref = build("eager").eval()
+    with torch.no_grad():
+        want = torch.cat([ref(input_ids=d[None], use_cache=False).logits[0] for d in docs])
+        got = model(**batch, use_cache=False).logits[0]
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        ids, pos = batch["input_ids"], batch["position_ids"]
+        got = model(input_ids=ids, position_ids=pos, use_cache=False).logits[0]
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("model_type", list(LEGACY))
 def test_legacy_attention_classes_refused_at_first_forward(model_type):
+    """Refused while the class keeps its own attention; exact once transformers moves it."""
     model = _tiny(model_type, **LEGACY[model_type])  # loads: transformers checks only the name
+    if _uses_attention_interface(model):
+        check_model(model)
+        _packed_matches_each_document(
+            lambda attn: AutoModelForCausalLM.from_config(
+                AutoConfig.for_model(model_type, **LEGACY[model_type]), attn_implementation=attn
+            )
+        )
+        return
     pattern = rf"cannot serve model_type='{model_type}'.*AttentionInterface.*'sdpa' or 'eager'"
     with pytest.raises(ValueError, match=pattern):
         check_model(model)
@@ -104,12 +143,34 @@ def test_models_needing_a_4d_mask_refused_at_first_forward(model_type):
         model(input_ids=_ids())
 
 
-def test_legacy_classes_that_pick_an_attention_class_by_name_fail_at_load():
-    """falcon / gptj index their own attention-class table by the name: loud already at load."""
-    with pytest.raises(KeyError, match=ATTN):
-        _tiny(
-            "falcon", vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=4
+@pytest.mark.parametrize("model_type", ["falcon", "gptj"])
+def test_legacy_classes_that_pick_an_attention_class_by_name_fail_at_load(model_type):
+    """falcon / gptj indexed their own attention-class table by the name (loud already at load)
+    until transformers moved them onto its attention interface (5.25); then they are exact."""
+    kw = {
+        "falcon": dict(
+            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=4
+        ),
+        "gptj": dict(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4, rotary_dim=4),
+    }[model_type]
+    cls = type(AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **kw)))
+    if not _uses_attention_interface(cls):
+        # refused either way: at load by the class's own table (transformers <= 5.24), or by
+        # check_model from the class flag (5.25's falcon calls the interface but keeps the flag)
+        try:
+            model = _tiny(model_type, **kw)
+        except KeyError as exc:
+            assert ATTN in str(exc)
+            return
+        with pytest.raises(ValueError, match=rf"cannot serve model_type='{model_type}'"):
+            check_model(model)
+        return
+    check_model(_tiny(model_type, **kw))
+    _packed_matches_each_document(
+        lambda attn: AutoModelForCausalLM.from_config(
+            AutoConfig.for_model(model_type, **kw), attn_implementation=attn
         )
+    )
 
 
 def test_supported_model_passes_check_model():
@@ -156,6 +217,9 @@ def _build(kind, attn):
 
 @pytest.mark.parametrize("kind", list(NO_POSITIONS))
 def test_dropped_position_ids_of_a_packed_batch_raise(kind):
+    """Where the installed transformers' attention layer drops position_ids the packed-by-position
+    batch raises; where it passes them on (ministral3 from 5.25) it is exact: never silently
+    wrong."""
     model = _build(kind, ATTN)
     g = torch.Generator().manual_seed(1)
     docs = [torch.randint(3, VOCAB, (n,), generator=g) for n in LENGTHS]
@@ -165,8 +229,13 @@ def test_dropped_position_ids_of_a_packed_batch_raise(kind):
     with torch.no_grad():
         # use_cache=False, as every trainer runs packed batches: with a cache transformers does
         # not look for packed position_ids (nor can we), for any model and attention
-        with pytest.raises(ValueError, match=r"does not receive position_ids.*PackingCollator"):
+        try:
             model(input_ids=ids, position_ids=pos, use_cache=False)
+        except ValueError as exc:
+            assert re.search(r"does not receive position_ids.*PackingCollator", str(exc)), exc
+        else:  # the layers pass position_ids on: the batch must then be exact
+            _packed_matches_each_document(NO_POSITIONS[kind])
+            return
         # the documented fix: the collator's document offsets reach every attention layer
         got = model(**batch).logits[0]
         ref = _build(kind, "eager")

@@ -9,7 +9,8 @@ package); ``hub_package.py`` (builds that package locally from ``hf_varlen/ops``
 
 One set of layers, two wirings:
 
-- ``"kernels"`` (``kernels`` 0.17.x, accepted by the installed transformers): the generated hub
+- ``"kernels"`` (``kernels`` 0.17-0.19, the release the installed transformers accepts: 0.17 for
+  transformers 5.18-5.22, 0.18 for 5.23-5.24, 0.19 for 5.25): the generated hub
   package is registered through ``LocalLayerRepository`` mappings without a mode dict (=
   ``Mode.FALLBACK``: matches every mode), inside ``use_kernel_mapping(..., inherit_mapping=False)``,
   and ``kernels.kernelize(..., mode=Mode.TRAINING)`` swaps the forwards. It is called on a
@@ -67,7 +68,9 @@ _LAYER = {
 _KIND = {"RMSNorm": "rmsnorm", "GemmaRMSNorm": "rmsnorm", ROPE_ENTRY: "rope"}
 KINDS = ("rmsnorm", "rope", "glu", "cross_entropy")
 _OUR_FORWARDS = {f"{name}.forward" for name in _LAYER.values()}
-_KERNELS_TESTED = ((0, 17), (0, 18))  # [lo, hi) of the kernels releases this wiring was written for
+# [lo, hi) of the kernels releases this wiring is tested with (CI: 0.19 with transformers 5.25;
+# 0.17 with 5.22, as on the GPU machine; 0.18 with 5.24 once, by hand)
+_KERNELS_TESTED = ((0, 17), (0, 20))
 _MARKS = ("kernel_layer_name", "kernel_condition")  # what replace_kernel_forward_from_hub sets
 
 
@@ -158,7 +161,7 @@ def _kernels_problem() -> str | None:
         )
     release = Version(kernels.__version__).release[:2]
     if not _KERNELS_TESTED[0] <= release < _KERNELS_TESTED[1]:
-        return f"kernels {kernels.__version__} is not a release hf_varlen supports (0.17.x)"
+        return f"kernels {kernels.__version__} is not a release hf_varlen supports (0.17-0.19)"
     return None
 
 

@@ -64,7 +64,7 @@ from typing import Any
 import torch
 from trl import SFTTrainer
 
-from ..metadata import mark_dynamic_pack, symbolic_batch_ints
+from ..metadata import checkpointed_side_effects, mark_dynamic_pack, symbolic_batch_ints
 from .loss import install_fused_cross_entropy, is_fused_cross_entropy_installed
 from .trainer_callbacks import OffsetsCheckCallback
 
@@ -105,6 +105,7 @@ class VarlenSFTTrainer(SFTTrainer):
                 f"options, got {type(fused_cross_entropy_kwargs).__name__}"
             )
         super().__init__(*args, **kwargs)
+        self._dynamo_patches: dict[str, bool] | None = None  # compute_loss sets it once
         self._check_supported()
         lm = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
         if fused_cross_entropy_kwargs is not None or not is_fused_cross_entropy_installed(lm):
@@ -161,7 +162,9 @@ class VarlenSFTTrainer(SFTTrainer):
         # With return_outputs (eval metrics on logits) one ordinary forward gives logits and loss.
         if self.args.torch_compile:  # no recompile per pack: tensors marked, ints symbolic
             mark_dynamic_pack(call)
-            with symbolic_batch_ints():
+            if self._dynamo_patches is None:  # the model is fixed once training starts
+                self._dynamo_patches = checkpointed_side_effects(model)
+            with symbolic_batch_ints(), torch._dynamo.config.patch(**self._dynamo_patches):
                 outputs = model(**call, fused_loss=not return_outputs)
         else:
             outputs = model(**call, fused_loss=not return_outputs)

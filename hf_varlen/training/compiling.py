@@ -141,6 +141,7 @@ class ModelCompiler:
         self.inductor_patches: dict[str, Any] = {}  # what compile_fx gets (Inductor only)
         if self.enabled and self.backend == "inductor":
             self.inductor_patches = {**self.mode_options, **token_count_patches()}
+        self.dynamo_patches: dict[str, Any] = {}  # set by compile() from the model
         self.compilations = 0
         self.backend_seconds = 0.0  # inside the backend (code generation), not dynamo's tracing
 
@@ -159,6 +160,9 @@ class ModelCompiler:
 
     def compile(self, model) -> None:
         if self.enabled:
+            from ..metadata import checkpointed_side_effects
+
+            self.dynamo_patches = checkpointed_side_effects(model)
             model.compile(backend=self, fullgraph=True)
 
     def mark(self, inputs: dict[str, Any]) -> dict[str, Any]:
@@ -194,7 +198,7 @@ class ModelCompiler:
 
         try:
             with (
-                torch._dynamo.config.patch(fail_on_recompile_limit_hit=True),
+                torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, **self.dynamo_patches),
                 symbolic_batch_ints(),
             ):
                 yield

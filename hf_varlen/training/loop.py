@@ -267,9 +267,13 @@ class PackedTrainer:
         # public per-call keyword (hf_varlen.integrations.loss).
         self.eval_kwargs = {"fused_loss": True} if fused_ce else {}
         if cfg.gradient_checkpointing:
-            model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False}
-            )
+            checkpointing_kwargs = {"use_reentrant": False}
+            if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.25's name
+                model.activation_checkpointing_enable(checkpointing_kwargs)
+            else:
+                model.gradient_checkpointing_enable(
+                    gradient_checkpointing_kwargs=checkpointing_kwargs
+                )
         if cfg.lora:
             model = apply_lora(model, cfg)
         self.params = sum(p.numel() for p in model.parameters())
