@@ -98,7 +98,7 @@ def _packed_matches_each_document(build) -> None:
     """``build(attn)`` -> model: a PackingCollator batch under varlen_packed equals each document
     run alone under eager, and so does the same batch packed by position_ids alone."""
     g = torch.Generator().manual_seed(1)
-    docs = [torch.randint(3, VOCAB, (n,), generator=g) for n in (5, 7, 4)]
+    docs = [torch.randint(3, VOCAB, (n,), generator=g) for n in LENGTHS]
     batch = hf_varlen.PackingCollator()([{"input_ids": d.tolist()} for d in docs])
     batch.pop("labels")
     torch.manual_seed(0)
@@ -120,11 +120,7 @@ def test_legacy_attention_classes_refused_at_first_forward(model_type):
     model = _tiny(model_type, **LEGACY[model_type])  # loads: transformers checks only the name
     if _uses_attention_interface(model):
         check_model(model)
-        _packed_matches_each_document(
-            lambda attn: AutoModelForCausalLM.from_config(
-                AutoConfig.for_model(model_type, **LEGACY[model_type]), attn_implementation=attn
-            )
-        )
+        _packed_matches_each_document(_auto(model_type, **LEGACY[model_type]))
         return
     pattern = rf"cannot serve model_type='{model_type}'.*AttentionInterface.*'sdpa' or 'eager'"
     with pytest.raises(ValueError, match=pattern):
@@ -166,11 +162,7 @@ def test_legacy_classes_that_pick_an_attention_class_by_name_fail_at_load(model_
             check_model(model)
         return
     check_model(_tiny(model_type, **kw))
-    _packed_matches_each_document(
-        lambda attn: AutoModelForCausalLM.from_config(
-            AutoConfig.for_model(model_type, **kw), attn_implementation=attn
-        )
-    )
+    _packed_matches_each_document(_auto(model_type, **kw))
 
 
 def test_supported_model_passes_check_model():
