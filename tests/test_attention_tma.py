@@ -88,6 +88,15 @@ def test_block_descriptor_refuses_what_tma_cannot_describe(why, make, block):
     assert block_descriptor(make(), *block) is None, why
 
 
+def test_block_descriptor_refuses_traced_tensors():
+    # what torch.compile traces: Inductor cannot take a host-built descriptor into a graph (run Q)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        fake = torch.empty(40, 8, 64, dtype=torch.bfloat16)
+        assert block_descriptor(fake, 32, 2, 64) is None
+
+
 def test_tma_is_part_of_a_launch_and_of_the_override(tmp_path, monkeypatch):
     cfg = attention_schedule._INTERPRETER_CONFIG
     on = dataclasses.replace(cfg, tma=True)

@@ -7,8 +7,9 @@ spends no registers on the block's addresses and masks. Compiled for sm_90 with 
 (scripts/kernel_resources.py, docs/BENCHMARKS.md), the 32/8/128 kernels, which all sit at the
 255-register cap, spill about half as much (long forward 262 -> 142 spill instructions, long dK/dV
 136 -> 72; the short dK/dV's 13 and the short forward's 8 go to 0) and the dQ kernels need fewer
-registers (short 255 -> 189). Whether that buys time is for the H200 to say: no config ships
-with it yet.
+registers (short 255 -> 189). On the H200 that buys no time (docs/BENCHMARKS.md run Q: f+b
+0.95-1.09x the pointer loads on long packs, 1.2-1.7x slower on short ones), so no config ships
+with it; it stays a tuning choice for later tritons.
 
 Shapes: a descriptor covers a (T, H, D) tensor; its block is (rows, heads, D) at coordinates
 (token, head, 0), read as (rows x heads, D) with rows token-major, heads minor: the row order of
@@ -18,13 +19,14 @@ mask other documents' rows of a shared tile.
 
 A layout the hardware cannot describe (strides or base not 16-byte aligned, a padded head dim, a
 block dimension that is not a power of two, more heads in a block than the tensor has, a GPU
-before sm_90) gets ``None``, and that launch loads through pointers as before: ``tma`` is a tuning
+before sm_90) and a tensor being traced by torch.compile get ``None``, and that launch loads through pointers as before: ``tma`` is a tuning
 choice, never a user's.
 """
 
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from ._triton_common import INTERPRET
 
@@ -72,18 +74,23 @@ def block_descriptor(t: torch.Tensor, rows: int, heads: int, block_d: int):
         return None
     if any((t.stride(i) * size) % 16 for i in (0, 1)):
         return None
-    if _data_ptr(t) % 16:
+    address = _data_ptr(t)
+    if address is None or address % 16:
         return None
     return TensorDescriptor.from_tensor(t, [rows, heads, block_d])
 
 
-def _data_ptr(t: torch.Tensor) -> int:
-    """The address, or 0 for a traced (fake / functional) tensor: its storage offset was checked,
-    and the allocator aligns every allocation."""
+def _data_ptr(t: torch.Tensor) -> int | None:
+    """The address, or None for a traced (fake / functional) tensor. Traced launches take no
+    descriptors: Inductor (torch 2.11) cannot carry a host-built descriptor into a graph (its
+    mutation analysis loses the descriptor arguments and its graph cache fails hashing them,
+    docs/BENCHMARKS.md run Q), so a compiled graph loads through pointers."""
+    if torch.compiler.is_compiling() or is_fake(t):
+        return None
     try:
         return t.data_ptr()
-    except RuntimeError:
-        return 0
+    except RuntimeError:  # a tensor without storage (functional wrappers)
+        return None
 
 
 def stream_descriptors(tma: bool, device, tensors, rows: int, heads: int, block_d: int):
