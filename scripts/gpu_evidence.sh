@@ -14,9 +14,6 @@
 #                                  then the other head configs on three cases
 #   bash scripts/gpu_evidence.sh attention_bwd OUT_DIR  # triton backward: split vs fused (atomic
 #                                  dQ) on every case, f+b and per kernel (no FA4 needed)
-#   bash scripts/gpu_evidence.sh small     OUT_DIR   # the small-tile tier (SmallPath) forced on by
-#                                  the tuning override vs off, f+b on the short packs, then the
-#                                  attention GPU tests with it on (it ships off until measured)
 #   bash scripts/gpu_evidence.sh tma       OUT_DIR   # tensor-descriptor loads (KernelConfig.tma)
 #                                  on vs off in one run (providers triton_tma, and
 #                                  triton_fused_tma: the fused backward with bulk dQ reductions),
@@ -186,22 +183,6 @@ attention_bwd)  # the triton backward, split (default) vs fused (atomic dQ): eve
         --providers triton,triton_fused_bwd,torch --json "$out/attn_bwd.json"
     step bench_attention_bwd_breakdown 150 python3 scripts/bench_attention.py --heads 32/8/128 \
         --breakdown --json "$out/attn_bwd_breakdown.json"
-    ;;
-small)  # run N's small tiles at max spans 256 / 384 against the shipped configs, then its tests
-    tiles='[64, 16, 4, 3, 16, 64, 32, 4, 1, 16, 64, 32, 4, 3, 8]'
-    for span in 0 256 384; do
-        cfg=/tmp/hf_varlen_small_$span.json
-        if [ "$span" = 0 ]; then echo '{}' >"$cfg"; else
-            echo "{\"small128\": $tiles, \"small64\": $tiles, \"small_max_span\": $span}" >"$cfg"
-        fi
-        step "bench_small_$span" 100 env HF_VARLEN_TRITON_ATTN_CONFIG="$cfg" python3 \
-            scripts/bench_attention.py --providers triton,torch --no-check \
-            --heads 32/8/128,40/8/128,32/8/64,16/16/64 --cases alpaca64k,lima64k,alpaca16k \
-            --json "$out/small_$span.json"
-    done
-    step pytest_small 200 env HF_VARLEN_TRITON_ATTN_CONFIG=/tmp/hf_varlen_small_384.json \
-        python3 -m pytest -q -m "gpu and not big_memory" tests/test_attention_small_tiles.py \
-        tests/test_triton_attention.py tests/test_attention_long_path.py
     ;;
 tma)  # descriptors on vs off (and with the fused backward), interleaved per case
     for dim in 128 64; do  # file names without commas (the device tool drops odd names)

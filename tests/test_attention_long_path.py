@@ -155,6 +155,17 @@ def test_override_file_rejects_bad_programs_per_sm(programs, tmp_path, monkeypat
         attention_schedule.pick_long_path(128, torch.bfloat16, torch.device("cuda"))
 
 
+@pytest.mark.parametrize("key", ["small128", "long", "128x", "long_span"])
+def test_override_file_rejects_unknown_keys(key, tmp_path, monkeypatch):
+    # "small128" set the small-tile tier, removed after the H200 measured it slower (run R)
+    cfg = [128, 64, 8, 3, 16, 128, 64, 8, 2, 32, 128, 64, 8, 2, 8]
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps({key: cfg}))
+    monkeypatch.setenv("HF_VARLEN_TRITON_ATTN_CONFIG", str(path))
+    with pytest.raises(ValueError, match=f"unknown key '{key}'"):
+        attention_schedule.pick_config(128, torch.bfloat16, torch.device("cuda"))
+
+
 def test_shipped_long_path_on_cuda():
     long = attention_schedule.pick_long_path(128, torch.bfloat16, torch.device("cuda"))
     assert long is not None and long.min_span == 1024 and long.cfg.fwd_warps == 8

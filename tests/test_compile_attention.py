@@ -351,7 +351,6 @@ def test_compiled_window_and_softcap_models_match_eager(kind):
         ("mistral", "collator", "split"),
         ("gemma2", "position_ids", "split"),
         ("llama", "collator", "fused"),
-        ("llama", "collator", "small"),
         ("llama", "collator", "tma"),
     ],
 )
@@ -360,9 +359,9 @@ def test_traced_triton_path_does_not_recompile_per_pack(kind, style, backward):
     on CPU with the launches stubbed out (tests/traced_triton_compile.py, a subprocess without
     TRITON_INTERPRET): over 20 varying packs at most 2 compilations, the second only for the
     collator's max_length ints. (The interpreted ops the other CPU tests compile are opaque, so a
-    guard inside the op bodies — e.g. on the tile count — would only show on a GPU.) "small": the
-    small-tile tier forced on (attention_schedule.SmallPath, not shipped on CUDA yet); "tma":
-    tensor descriptors forced on (KernelConfig.tma, built from the traced tensors; not shipped)."""
+    guard inside the op bodies — e.g. on the tile count — would only show on a GPU.) "tma":
+    tensor descriptors asked for (KernelConfig.tma, not shipped), which a traced launch declines
+    (attention_tma: Inductor cannot carry them into a graph, BENCHMARKS run Q)."""
     pytest.importorskip("triton")
     from traced_triton_compile import run
 

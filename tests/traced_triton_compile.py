@@ -9,10 +9,10 @@ and its guards matter), lets the triton backend run on CPU with the GPU's tile c
 a compiled model over varying packs with aot_eager. It prints one JSON line:
 {"compiles": n, "graph_breaks": {...}, "recompile_reasons": [...]}.
 
-    python tests/traced_triton_compile.py KIND STYLE STEPS [fused|small|tma]   (run by
+    python tests/traced_triton_compile.py KIND STYLE STEPS [fused|tma]   (run by
         test_compile_attention.py; fused: the fused attention backward, KernelConfig.bwd_fused;
-        small: the small-tile tier on, attention_schedule.SmallPath; tma: tensor descriptors on,
-        KernelConfig.tma, built from the traced tensors as on an sm_90 GPU)
+        tma: tensor descriptors asked for, KernelConfig.tma, on a device that takes them as an
+        sm_90 GPU does: the traced launches must decline them and still trace cleanly)
     python tests/traced_triton_compile.py ops                 the row ops on their own: one JSON
         line per op, {"op": name, "compiles": n, "recompile_reasons": [...]}, over token counts
         that cross the kernels' block sizes (marked dynamic from the first call: 1 compilation)
@@ -59,7 +59,7 @@ def main(kind: str, style: str, steps: int, variant: str = "split") -> dict:
     import hf_varlen.ops.attention_tma as attention_tma
     from hf_varlen.backends import registry
     from hf_varlen.metadata import mark_dynamic_pack
-    from hf_varlen.ops.attention_schedule import _CUDA_CONFIGS, KernelConfig, SmallPath
+    from hf_varlen.ops.attention_schedule import _CUDA_CONFIGS
 
     attention_fwd.launcher = attention_bwd.launcher = lambda kernel, traceable: _NoLaunch()
     tma = variant == "tma"
@@ -70,11 +70,6 @@ def main(kind: str, style: str, steps: int, variant: str = "split") -> dict:
         attention.pick_long_path = lambda head_dim, dtype, device: long
     gpu_tiles = dataclasses.replace(_CUDA_CONFIGS[64], bwd_fused=variant == "fused", tma=tma)
     attention.pick_config = lambda head_dim, dtype, device: gpu_tiles  # the GPU's tiles
-    if (
-        variant == "small"
-    ):  # the sweep's small tiles (docs/BENCHMARKS.md run N), a third launch per kernel
-        tiles = KernelConfig(64, 16, 4, 3, 16, 64, 32, 4, 1, 16, 64, 32, 4, 3, 8)
-        attention.pick_small_path = lambda head_dim, dtype, device: SmallPath(tiles, 384)
     registry._REGISTRY["triton"] = dataclasses.replace(
         registry._REGISTRY["triton"], probe=lambda: None, devices=frozenset({"cpu"}),
         dtypes=frozenset({torch.float32}),
@@ -209,6 +204,6 @@ if __name__ == "__main__":
             print(json.dumps(row))
     else:
         variant = sys.argv[4] if len(sys.argv) > 4 else "split"
-        if variant not in ("split", "fused", "small", "tma"):
-            raise SystemExit(f"unknown variant {variant!r}: split, fused, small or tma")
+        if variant not in ("split", "fused", "tma"):
+            raise SystemExit(f"unknown variant {variant!r}: split, fused or tma")
         print(json.dumps(main(sys.argv[1], sys.argv[2], int(sys.argv[3]), variant)))

@@ -45,7 +45,6 @@ from .attention_schedule import (
     launch_passes,
     pick_config,
     pick_long_path,
-    pick_small_path,
 )
 from .common import causal_window, deterministic_requested
 from .library import compiling
@@ -120,14 +119,12 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
 def forward_launch(q, k, v, plan, softmax_scale, softcap, traceable=False):
     """Forward over a plan: (o (T_q, H_q, D), lse (H_q, T_q) fp32). q/k/v: unit last stride.
     With a long path (attention_schedule.LongPath) the long-document tiles run in a second
-    launch with bigger blocks, and with a small path (SmallPath) the short-document blocks in one
-    with smaller ones, each writing its rows of the same o / lse."""
+    launch with bigger blocks, writing its rows of the same o / lse."""
     cfg = pick_config(q.shape[2], q.dtype, q.device)
     long = pick_long_path(q.shape[2], q.dtype, q.device)
-    small = pick_small_path(q.shape[2], q.dtype, q.device)
     out = None
     for order, c, fold, bound in launch_passes(
-        plan, "fwd", cfg, long, q.shape[1] // k.shape[1], q.device, small
+        plan, "fwd", cfg, long, q.shape[1] // k.shape[1], q.device
     ):
         out = attention_forward(
             q, k, v, plan.lo_q, plan.hi_q, order, softmax_scale=softmax_scale, softcap=softcap,
@@ -146,7 +143,6 @@ def backward_launch(
         softmax_scale=softmax_scale, softcap=softcap,
         cfg=pick_config(q.shape[2], q.dtype, q.device), deterministic=deterministic,
         traceable=traceable, long=pick_long_path(q.shape[2], q.dtype, q.device),
-        small=pick_small_path(q.shape[2], q.dtype, q.device),
     )  # fmt: skip
 
 

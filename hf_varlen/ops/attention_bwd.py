@@ -507,7 +507,6 @@ def attention_backward(
     deterministic: bool = False,
     traceable: bool = False,
     long=None,
-    small=None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dQ (+delta) then dK/dV over the plan's heaviest-first orders; returns dq, dk, dv.
 
@@ -518,8 +517,7 @@ def attention_backward(
     at the price of an fp32 (T_q, H_q, D) buffer and a summation order that varies from run to run.
     ``deterministic`` is the caller's request for a bitwise-repeatable backward: it always gets
     the split one. ``long`` (attention_schedule.LongPath): each kernel runs twice, short-config
-    tiles then the long-document tiles (each row still written by one program); ``small``
-    (attention_schedule.SmallPath): the short-document blocks first, with smaller tiles.
+    tiles then the long-document tiles (each row still written by one program).
     """
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
@@ -536,13 +534,13 @@ def attention_backward(
     else:
         dq_acc = None
         dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-        for order, c, fold, bound in launch_passes(plan, "dq", cfg, long, group, q.device, small):
+        for order, c, fold, bound in launch_passes(plan, "dq", cfg, long, group, q.device):
             backward_dq(
                 do, q, k, v, o, lse, delta, dq, plan.lo_q, plan.hi_q, order, fold=fold,
                 block_m=c.dq_block_m, block_n=c.dq_block_n, num_warps=c.dq_warps,
                 num_stages=c.dq_stages, bound=bound, tma=c.tma, **kw,
             )  # fmt: skip
-    kv_passes = launch_passes(plan, "kv", cfg, long, group, q.device, small)
+    kv_passes = launch_passes(plan, "kv", cfg, long, group, q.device)
     for order, c, fold, bound in kv_passes:  # after every dQ launch: they write delta
         backward_dkdv(
             do, q, k, v, lse, delta, dk, dv, plan.qlo_k, plan.qhi_k, order, fold=fold,

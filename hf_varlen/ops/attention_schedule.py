@@ -170,29 +170,6 @@ _INTERPRETER_LONG = LongPath(
 )
 
 
-@dataclass(frozen=True)
-class SmallPath:
-    """Shape-fitted tiles for short documents: blocks of rows whose small-size tiles span at most
-    ``max_span`` keys (packs of short documents: alpaca's 79-token mean) run with ``cfg``'s
-    smaller blocks in a launch of their own (``split_small``); the other rows keep the short
-    config (and the long path). Kernels whose launch ``cfg`` does not change get no tier. Why: in
-    the H200 sweep (docs/BENCHMARKS.md run N) 16-token forward tiles took real alpaca's forward
-    from 0.929 to 0.774 ms and lima's from 1.315 to 1.661: no single config fits both packs."""
-
-    cfg: KernelConfig
-    max_span: int
-
-    def __post_init__(self):
-        if not isinstance(self.max_span, int) or self.max_span < 1:
-            raise ValueError(f"SmallPath.max_span must be an int >= 1, got {self.max_span!r}")
-
-
-# Not shipped on CUDA until measured in forward + backward on the H200 (the tuning override's
-# "small128" / "small64" keys set one, "small_max_span" its span); off under the interpreter too
-# (the CPU tests turn it on where they test it).
-_CUDA_SMALL: dict[int, SmallPath] = {}
-
-
 @functools.lru_cache(maxsize=4)
 def _load_overrides(path: str) -> dict:
     with open(path) as f:
@@ -200,20 +177,19 @@ def _load_overrides(path: str) -> dict:
     out: dict = {}
     programs = tuple(raw.get("long_programs_per_sm", (1, 1, 1)))
     for k, v in raw.items():
-        if k in ("long_min_span", "long_programs_per_sm", "small_max_span"):
+        if k in ("long_min_span", "long_programs_per_sm"):
             continue
+        if not (k.isdigit() or k.startswith("long") and k[4:].isdigit()):
+            raise ValueError(
+                f'{path}: unknown key {k!r}: the keys are head dims ("128"), "long<head dim>",'
+                ' "long_min_span" and "long_programs_per_sm"'
+            )
         try:
             cfg = KernelConfig(
                 *v[:15], *map(bool, v[15:16]), *map(int, v[16:17]), *map(bool, v[17:18])
             )
         except (TypeError, ValueError) as exc:
             raise ValueError(f"{path}: {k}: {exc}") from None
-        if k.startswith("small"):
-            try:
-                out["small", int(k[5:])] = SmallPath(cfg, raw.get("small_max_span", 256))
-            except ValueError as exc:
-                raise ValueError(f"{path}: small_max_span: {exc}") from None
-            continue
         if k.startswith("long"):
             try:
                 out["long", int(k[4:])] = LongPath(
@@ -230,7 +206,7 @@ def _overrides() -> dict:
     """Configs from $HF_VARLEN_TRITON_ATTN_CONFIG, for tuning runs: JSON {"128": [15 ints
     (+ bwd_fused 0/1, + kv_stages_unfolded, + tma 0/1)], "long128": [15 ints (+ the same)],
     "long_min_span": int,
-    "long_programs_per_sm": [fwd, dq, kv], "small128": [15 ints], "small_max_span": int, ...}."""
+    "long_programs_per_sm": [fwd, dq, kv], ...}."""
     path = os.environ.get("HF_VARLEN_TRITON_ATTN_CONFIG")
     return _load_overrides(path) if path else {}
 
@@ -245,15 +221,6 @@ def pick_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> Kern
         return _INTERPRETER_CONFIG
     key = _key(head_dim)
     return _overrides().get(key) or _CUDA_CONFIGS[key]
-
-
-def pick_small_path(head_dim: int, dtype: torch.dtype, device: torch.device) -> SmallPath | None:
-    """The shape-fitted small tiles for head_dim/dtype/device, or None (off). CUDA fp16/bf16
-    only, and only where the tuning override sets one (none is shipped yet)."""
-    if device.type != "cuda" or dtype == torch.float32:
-        return None
-    key = _key(head_dim)
-    return _overrides().get(("small", key)) or _CUDA_SMALL.get(key)
 
 
 def pick_long_path(head_dim: int, dtype: torch.dtype, device: torch.device) -> LongPath | None:
@@ -323,33 +290,13 @@ def kernel_launch(cfg: KernelConfig, kernel: str, group: int) -> tuple:
 
 
 def launch_passes(plan, kernel: str, cfg: KernelConfig, long: LongPath | None, group: int,
-                  device: torch.device, small: SmallPath | None = None) -> list:  # fmt: skip
+                  device: torch.device) -> list:  # fmt: skip
     """The launches of one kernel over a plan: [(order, config, fold, bound)], the short config's
     over every tile (bound None), or, with a long path, the short config's over the short tiles
     and the long config's over the long ones (``split_orders``), bound = (n_long, persistent
-    programs or 0: attention_fwd.launch_grid). With a small path whose config launches this kernel
-    differently, the small config's launch over the small blocks' tiles comes first
-    (``split_small``; bound = (n_small, 0): one program per small tile, the rest exit)."""
+    programs or 0: attention_fwd.launch_grid)."""
     fold, tile = kernel_tiling(cfg, kernel, group)
     side = "k" if kernel == "kv" else "q"
-    if small is not None and kernel_launch(small.cfg, kernel, group) == kernel_launch(
-        cfg, kernel, group
-    ):
-        small = None  # the same launch: no tier of its own
-    if small is not None:
-        fold_m, tile_m = kernel_tiling(small.cfg, kernel, group)
-        long_args = None
-        if long is not None:
-            fold_l, tile_l = kernel_tiling(long.cfg, kernel, group)
-            long_args = (tile_l, long.min_span)
-        order_m, n_small, order_s, order_l, n_long = plan.split_small(
-            side, tile_m, tile, small.max_span, long_args
-        )
-        passes = [(order_m, small.cfg, fold_m, (n_small, 0)), (order_s, cfg, fold, None)]
-        if long is not None:
-            bound = (n_long, persistent_programs(device, long.programs(kernel)))
-            passes.append((order_l, long.cfg, fold_l, bound))
-        return passes
     if long is None:
         order = plan.order_k(tile) if side == "k" else plan.order_q(tile)
         return [(order, cfg, fold, None)]
@@ -385,14 +332,6 @@ class Plan:
         if key not in self._orders:
             lo, hi = (self.lo_q, self.hi_q) if side == "q" else (self.qlo_k, self.qhi_k)
             self._orders[key] = split_orders(lo, hi, tile_s, tile_l, min_span)
-        return self._orders[key]
-
-    def split_small(self, side: str, tile_m: int, tile_s: int, max_span: int, long=None):
-        """``split_small`` over the query rows (side "q") or the key rows ("k"), memoised."""
-        key = ("small", side, tile_m, tile_s, max_span, long)
-        if key not in self._orders:
-            lo, hi = (self.lo_q, self.hi_q) if side == "q" else (self.qlo_k, self.qhi_k)
-            self._orders[key] = split_small(lo, hi, tile_m, tile_s, max_span, long)
         return self._orders[key]
 
 
@@ -486,12 +425,6 @@ def split_orders(
     the long blocks' short tiles replaced by the empty tile n_s (their programs do nothing).
     order_l: (n_l + 1,), the long tiles first, heaviest first; n_long (1,) int32: how many (the
     long launch's work)."""
-    return _split_orders(lo, hi, tile_s, tile_l, min_span)[:3]
-
-
-def _split_orders(lo, hi, tile_s: int, tile_l: int, min_span: int):
-    """split_orders' (order_s, order_l, n_long) plus G = lcm(tile_s, tile_l) and long_g
-    (n_g + 1,) bool, which G-row blocks are long (split_small reuses them)."""
     g = math.lcm(tile_s, tile_l)
     spans = {t: tile_spans(lo, hi, t) for t in {tile_s, tile_l}}
     span_l = spans[tile_l]
@@ -515,53 +448,7 @@ def _split_orders(lo, hi, tile_s: int, tile_l: int, min_span: int):
     span_l, long_l = side(tile_l)
     order_l = torch.argsort(torch.where(long_l, span_l, -1), descending=True, stable=True)
     n_long = long_l.sum(dtype=torch.int32).reshape(1)
-    return order_s, order_l.to(torch.int32), n_long, g, long_g
-
-
-def split_small(
-    lo: torch.Tensor,
-    hi: torch.Tensor,
-    tile_m: int,
-    tile_s: int,
-    max_span: int,
-    long: tuple[int, int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Rows split between a small-tile launch, the short-tile launch and (``long`` = (tile_l,
-    min_span)) the long-tile launch: (order_m, n_small, order_s, order_l, n_long).
-
-    With G2 = lcm(tile_m, tile_s[, split_orders' G]) every G2-row block is a whole number of tiles
-    of each size. A block is small when it holds no row of a long block (split_orders) and each
-    of its small-size tiles spans <= ``max_span`` keys (query rows on the key side): packs of short
-    documents. Its rows belong to the small launch, the long blocks' to the long one, every other
-    row to the short one (an exact partition). order_m: (n_m + 1,), the small tiles first,
-    heaviest first; n_small (1,) int32 (the small launch's work, a bounded grid fixed by T);
-    order_s: the short tiling's order, every tile of a small or long block replaced by the empty
-    tile n_s; order_l / n_long as split_orders (None without ``long``)."""
-    span_m = tile_spans(lo, hi, tile_m)
-    if long is None:
-        g = 1
-        order_s, order_l, n_long = heaviest_first(lo, hi, tile_s), None, None
-        long_g = None
-    else:
-        order_s, order_l, n_long, g, long_g = _split_orders(lo, hi, tile_s, *long)
-    g2 = math.lcm(tile_m, tile_s, g)
-    n_g2 = -(-lo.numel() // g2)
-    idx_m = torch.arange(span_m.numel(), device=lo.device)
-    n_m = span_m.numel() - 1
-    wide = torch.zeros(n_g2 + 1, dtype=torch.int32, device=lo.device)
-    wide = wide.scatter_reduce(0, idx_m * tile_m // g2, (span_m > max_span).to(torch.int32), "amax")
-    if long_g is not None:  # a G2 block holding a long G block is not small
-        idx_g = torch.arange(long_g.numel(), device=lo.device)
-        wide = wide.scatter_reduce(0, idx_g * g // g2, long_g.to(torch.int32), "amax")
-    small_g2 = wide == 0
-    is_small = small_g2[idx_m * tile_m // g2] & (idx_m < n_m)
-    order_m = torch.argsort(torch.where(is_small, span_m, -1), descending=True, stable=True)
-    n_small = is_small.sum(dtype=torch.int32).reshape(1)
-    n_s = order_s.numel() - 1
-    idx_s = torch.arange(n_s + 1, device=lo.device)
-    small_s = small_g2[idx_s * tile_s // g2] & (idx_s < n_s)
-    order_s = torch.where(small_s[order_s.to(torch.int64)], n_s, order_s).to(torch.int32)
-    return order_m.to(torch.int32), n_small, order_s, order_l, n_long
+    return order_s, order_l.to(torch.int32), n_long
 
 
 # Plans keyed on the cu_seqlens tensor objects (all layers of a forward and the backward share them;
