@@ -68,6 +68,8 @@
 # `train` and `e2e` read the shared data from runs/shared (carry it): alpaca_5000.json, lima.json
 # and the qwen2 tokenizer folder. FA4 joins `attention` when it is importable (GPU.md's two calls).
 # Every step has its own timeout, so a slow one never hides the others' results.
+# With `.gpu-wheels/latest` carried too (scripts/gpu_wheels_latest.sh), every stage runs on the
+# transformers / kernels / huggingface_hub a fresh install resolves instead of base's 5.22.2.
 set -uo pipefail
 stage=${1:?stage: tests|suite|pytest|bisect|cmd|kernels|attention|e2e|train|trl|baseline|compile|...}
 out=${2:?OUT_DIR}
@@ -80,6 +82,10 @@ export PATH="/tmp/site/bin:$PATH"  # the carried wheels' executables (py-spy for
     if ! python3 -c "import kernels, trl, xdist" 2>/dev/null && [ -d .gpu-wheels/base ]; then
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
             --target /tmp/site .gpu-wheels/base/*.whl
+        if [ -d .gpu-wheels/latest ]; then  # scripts/gpu_wheels_latest.sh: transformers 5.25 over 5.22
+            python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+                --target /tmp/site .gpu-wheels/latest/*.whl
+        fi
     fi
 ) 9>/tmp/hf_varlen_site.lock
 export PYTHONUNBUFFERED=1
