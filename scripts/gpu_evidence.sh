@@ -77,15 +77,21 @@ mkdir -p "$out"
 out=$(cd "$out" && pwd)  # absolute: some stages run from another directory
 export PYTHONPATH="/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PATH="/tmp/site/bin:$PATH"  # the carried wheels' executables (py-spy for bench_e2e --profile)
+site_wheels() {  # base's wheels, or with .gpu-wheels/latest (scripts/gpu_wheels_latest.sh) its
+    # wheels and base's other ones: one release per project, so /tmp/site holds one dist-info each
+    [ -d .gpu-wheels/latest ] || { ls .gpu-wheels/base/*.whl; return; }
+    local w newer
+    newer=" $(ls .gpu-wheels/latest/*.whl | xargs -n1 basename | cut -d- -f1 | tr 'A-Z' 'a-z' | tr '\n' ' ')"
+    for w in .gpu-wheels/base/*.whl; do
+        [[ "$newer" == *" $(basename "$w" | cut -d- -f1 | tr 'A-Z' 'a-z') "* ]] || echo "$w"
+    done
+    ls .gpu-wheels/latest/*.whl
+}
 (  # under a lock: stages started side by side must not install into /tmp/site at the same time
     flock 9
     if ! python3 -c "import kernels, trl, xdist" 2>/dev/null && [ -d .gpu-wheels/base ]; then
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-            --target /tmp/site .gpu-wheels/base/*.whl
-        if [ -d .gpu-wheels/latest ]; then  # scripts/gpu_wheels_latest.sh: transformers 5.25 over 5.22
-            python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-                --target /tmp/site .gpu-wheels/latest/*.whl
-        fi
+            --target /tmp/site $(site_wheels)
     fi
 ) 9>/tmp/hf_varlen_site.lock
 export PYTHONUNBUFFERED=1
