@@ -17,7 +17,7 @@
 #   bash scripts/gpu_evidence.sh tma       OUT_DIR   # tensor-descriptor loads (KernelConfig.tma)
 #                                  on vs off in one run (providers triton_tma, and
 #                                  triton_fused_tma: the fused backward with bulk dQ reductions),
-#                                  f+b on long and short packs (off until measured)
+#                                  f+b on long and short packs (off: BENCHMARKS run Q)
 #   bash scripts/gpu_evidence.sh tma_tests OUT_DIR   # the attention, compile and CUDA-graph GPU
 #                                  tests with descriptors forced on by the tuning override (needs
 #                                  pytest-xdist among the carried wheels, as `suite`)

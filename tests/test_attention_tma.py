@@ -1,7 +1,7 @@
 """Tensor-descriptor (TMA) loads of the attention kernels' streamed blocks (KernelConfig.tma,
 attention_tma.py): which layouts take a descriptor, the kernels with descriptors forced on against
 the reference, and bitwise against pointer loads (CPU: TRITON_INTERPRET=1 emulates descriptors;
-no config ships with tma on CUDA yet)."""
+no config ships with tma on CUDA: slower or even on the H200, docs/BENCHMARKS.md run Q)."""
 
 from __future__ import annotations
 

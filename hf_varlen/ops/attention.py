@@ -18,8 +18,9 @@ recompiles. ``max_seqlen_*`` are accepted for API compatibility and never used.
 Backward: by default a dQ kernel and a dK/dV kernel, no atomics, so bitwise deterministic and
 ``deterministic=True`` (or FLASH_ATTENTION_DETERMINISTIC=1, or torch's deterministic algorithms)
 costs nothing. A config with ``bwd_fused`` (attention_schedule.KernelConfig; off in the shipped
-configs until measured) takes the FA2-style fused backward instead (atomic dQ, 5 matmuls per block
-instead of 7), except where a deterministic backward is requested. Dropout is not implemented
+configs: slower on the H200, docs/BENCHMARKS.md runs E, F and Q) takes the FA2-style fused
+backward instead (atomic dQ, 5 matmuls per block instead of 7), except where a deterministic
+backward is requested. Dropout is not implemented
 (dropout_p > 0 raises).
 
 Under torch.compile the call goes through the registered ops ``torch.ops.hf_varlen.triton_attention``

@@ -84,7 +84,8 @@ class KernelConfig:
     # Stream the inner loops' blocks (K/V of the forward and dQ steps, Q/dO of the dK/dV steps)
     # through Hopper tensor descriptors (TMA) where the layout allows (attention_tma.py): the copy
     # engine computes the addresses, so the registers they took are free for the accumulators.
-    # Off in the shipped configs until measured on the H200; a tuning override may set it (18th).
+    # Off in the shipped configs: slower or even on the H200 (docs/BENCHMARKS.md run Q); a
+    # tuning override may set it (18th entry).
     tma: bool = False
 
     def __post_init__(self):

@@ -8,7 +8,7 @@ spends no registers on the block's addresses and masks. Compiled for sm_90 with 
 255-register cap, spill about half as much (long forward 262 -> 142 spill instructions, long dK/dV
 136 -> 72; the short dK/dV's 13 and the short forward's 8 go to 0) and the dQ kernels need fewer
 registers (short 255 -> 189). On the H200 that buys no time (docs/BENCHMARKS.md run Q: f+b
-0.95-1.09x the pointer loads on long packs, 1.2-1.7x slower on short ones), so no config ships
+0.95-1.68x the pointer loads, faster only on two 40/8/128 packs, by 2-5%), so no config ships
 with it; it stays a tuning choice for later tritons.
 
 Shapes: a descriptor covers a (T, H, D) tensor; its block is (rows, heads, D) at coordinates
