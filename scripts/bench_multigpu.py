@@ -29,8 +29,8 @@ imbalance (max / mean real tokens of a step over the ranks, from the trainer's s
 run profiles one step (``--profile-step``, default the middle one; the trainer's throughput leaves
 it out): per rank, its wall time split into GPU compute, communication (NCCL kernels), the
 communication no compute overlaps, and GPU idle time (hf_varlen/training/profiling.py), which is
-what limits the scaling (on CPU processes over gloo it cannot split communication from compute). Writes ``results.json`` and ``multigpu.md`` (the tables, with the run
-header) under ``--out``.
+what limits the scaling (on CPU processes over gloo it cannot split communication from compute).
+Writes ``results.json`` and ``multigpu.md`` (the tables, with the run header) under ``--out``.
 """
 
 from __future__ import annotations

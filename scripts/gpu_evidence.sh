@@ -81,7 +81,7 @@ site_wheels() {  # base's wheels, or with .gpu-wheels/latest (scripts/gpu_wheels
     # wheels and base's other ones: one release per project, so /tmp/site holds one dist-info each
     [ -d .gpu-wheels/latest ] || { ls .gpu-wheels/base/*.whl; return; }
     local w newer
-    newer=" $(ls .gpu-wheels/latest/*.whl | xargs -n1 basename | cut -d- -f1 | tr 'A-Z' 'a-z' | tr '\n' ' ')"
+    newer=" $(ls .gpu-wheels/latest/*.whl | xargs -n1 basename | cut -d- -f1 | tr 'A-Z\n' 'a-z ')"
     for w in .gpu-wheels/base/*.whl; do
         [[ "$newer" == *" $(basename "$w" | cut -d- -f1 | tr 'A-Z' 'a-z') "* ]] || echo "$w"
     done

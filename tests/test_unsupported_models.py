@@ -25,6 +25,7 @@ from transformers.models.cohere_compass.modeling_cohere_compass import CohereCom
 
 import hf_varlen
 from hf_varlen.integrations.transformers import check_model
+from hf_varlen.testing import assert_numerics
 
 ATTN = hf_varlen.ATTN_IMPLEMENTATION
 VOCAB = 97
@@ -94,24 +95,41 @@ def _uses_attention_interface(model) -> bool:
     return bool(getattr(model, "_supports_attention_backend", False))
 
 
-def _packed_matches_each_document(build) -> None:
-    """``build(attn)`` -> model: a PackingCollator batch under varlen_packed equals each document
-    run alone under eager, and so does the same batch packed by position_ids alone."""
+def _docs_and_batch():
     g = torch.Generator().manual_seed(1)
     docs = [torch.randint(3, VOCAB, (n,), generator=g) for n in LENGTHS]
     batch = hf_varlen.PackingCollator()([{"input_ids": d.tolist()} for d in docs])
     batch.pop("labels")
+    return docs, batch
+
+
+def _each_document_alone(build, docs) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hi, lo): the logits of each document run alone under eager, in fp64 and in fp32, from the
+    weights ``build(attn)`` makes after seed 0 (the numerics rule's references)."""
+    refs = []
+    for dtype in (torch.float64, torch.float32):
+        torch.manual_seed(0)
+        ref = build("eager").eval().to(dtype)
+        with torch.no_grad():
+            refs.append(
+                torch.cat([ref(input_ids=d[None], use_cache=False).logits[0] for d in docs])
+            )
+    return refs[0], refs[1]
+
+
+def _packed_matches_each_document(name, build) -> None:
+    """``build(attn)`` -> model: a PackingCollator batch under varlen_packed equals each document
+    run alone under eager, and so does the same batch packed by position_ids alone."""
+    docs, batch = _docs_and_batch()
+    hi, lo = _each_document_alone(build, docs)
     torch.manual_seed(0)
     model = build(ATTN).eval()
-    torch.manual_seed(0)
-    ref = build("eager").eval()
     with torch.no_grad():
-        want = torch.cat([ref(input_ids=d[None], use_cache=False).logits[0] for d in docs])
         got = model(**batch, use_cache=False).logits[0]
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        assert_numerics(f"{name} packed by the collator", got, hi, lo)
         ids, pos = batch["input_ids"], batch["position_ids"]
         got = model(input_ids=ids, position_ids=pos, use_cache=False).logits[0]
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        assert_numerics(f"{name} packed by position_ids", got, hi, lo)
 
 
 @pytest.mark.parametrize("model_type", list(LEGACY))
@@ -120,7 +138,7 @@ def test_legacy_attention_classes_refused_at_first_forward(model_type):
     model = _tiny(model_type, **LEGACY[model_type])  # loads: transformers checks only the name
     if _uses_attention_interface(model):
         check_model(model)
-        _packed_matches_each_document(_auto(model_type, **LEGACY[model_type]))
+        _packed_matches_each_document(model_type, _auto(model_type, **LEGACY[model_type]))
         return
     pattern = rf"cannot serve model_type='{model_type}'.*AttentionInterface.*'sdpa' or 'eager'"
     with pytest.raises(ValueError, match=pattern):
@@ -162,7 +180,7 @@ def test_legacy_classes_that_pick_an_attention_class_by_name_fail_at_load(model_
             check_model(model)
         return
     check_model(_tiny(model_type, **kw))
-    _packed_matches_each_document(_auto(model_type, **kw))
+    _packed_matches_each_document(model_type, _auto(model_type, **kw))
 
 
 def test_supported_model_passes_check_model():
@@ -213,10 +231,7 @@ def test_dropped_position_ids_of_a_packed_batch_raise(kind):
     batch raises; where it passes them on (ministral3 from 5.25) it is exact: never silently
     wrong."""
     model = _build(kind, ATTN)
-    g = torch.Generator().manual_seed(1)
-    docs = [torch.randint(3, VOCAB, (n,), generator=g) for n in LENGTHS]
-    batch = hf_varlen.PackingCollator()([{"input_ids": d.tolist()} for d in docs])
-    batch.pop("labels")
+    docs, batch = _docs_and_batch()
     ids, pos = batch["input_ids"], batch["position_ids"]
     with torch.no_grad():
         # use_cache=False, as every trainer runs packed batches: with a cache transformers does
@@ -226,17 +241,16 @@ def test_dropped_position_ids_of_a_packed_batch_raise(kind):
         except ValueError as exc:
             assert re.search(r"does not receive position_ids.*PackingCollator", str(exc)), exc
         else:  # the layers pass position_ids on: the batch must then be exact
-            _packed_matches_each_document(NO_POSITIONS[kind])
+            _packed_matches_each_document(kind, NO_POSITIONS[kind])
             return
         # the documented fix: the collator's document offsets reach every attention layer
         got = model(**batch).logits[0]
-        ref = _build(kind, "eager")
-        want = torch.cat([ref(input_ids=d[None]).logits[0] for d in docs])
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        hi, lo = _each_document_alone(NO_POSITIONS[kind], docs)
+        assert_numerics(f"{kind} packed by the collator", got, hi, lo)
         # one unpacked sequence, a padded batch and plain decoding raise nothing
         model(input_ids=ids, use_cache=False)
         model(input_ids=ids, position_ids=torch.arange(ids.shape[1])[None], use_cache=False)
         mask = torch.ones(2, 8, dtype=torch.long)
         mask[1, 5:] = 0
-        model(input_ids=torch.randint(3, VOCAB, (2, 8), generator=g), attention_mask=mask)
+        model(input_ids=_ids(8).expand(2, 8), attention_mask=mask)
         model.generate(input_ids=docs[0][None], max_new_tokens=3, do_sample=False)

@@ -180,7 +180,7 @@ def _load_overrides(path: str) -> dict:
     for k, v in raw.items():
         if k in ("long_min_span", "long_programs_per_sm"):
             continue
-        if not (k.isdigit() or k.startswith("long") and k[4:].isdigit()):
+        if not (k.isdigit() or (k.startswith("long") and k[4:].isdigit())):
             raise ValueError(
                 f'{path}: unknown key {k!r}: the keys are head dims ("128"), "long<head dim>",'
                 ' "long_min_span" and "long_programs_per_sm"'

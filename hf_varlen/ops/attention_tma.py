@@ -19,8 +19,8 @@ mask other documents' rows of a shared tile.
 
 A layout the hardware cannot describe (strides or base not 16-byte aligned, a padded head dim, a
 block dimension that is not a power of two, more heads in a block than the tensor has, a GPU
-before sm_90) and a tensor being traced by torch.compile get ``None``, and that launch loads through pointers as before: ``tma`` is a tuning
-choice, never a user's.
+before sm_90) and a tensor being traced by torch.compile get ``None``, and that launch loads
+through pointers as before: ``tma`` is a tuning choice, never a user's.
 """
 
 from __future__ import annotations
