@@ -73,6 +73,36 @@ def fwd_bwd(fn, q, k, v, grad_out, backward=True):
     return out.detach(), q.grad, k.grad, v.grad
 
 
+def independent_attention(q, k, v, lengths, *, causal, window_size, softcap):
+    """A second oracle, written apart from hf_varlen.reference: one dense masked softmax per
+    document through einsum, the mask from explicit index comparisons (self-attention, so no
+    bottom-right shift). Rows that see no key are zero."""
+    left, right = window_size
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
+    group = q.shape[1] // k.shape[1]
+    outs, start = [], 0
+    for n in lengths:
+        qd, kd, vd = (t[start : start + n] for t in (q, k, v))
+        kd, vd = (t.repeat_interleave(group, dim=1) for t in (kd, vd))
+        s = torch.einsum("ihd,jhd->hij", qd, kd) * q.shape[-1] ** -0.5
+        if softcap > 0:
+            s = softcap * torch.tanh(s / softcap)
+        i = torch.arange(n)[:, None]
+        j = torch.arange(n)[None, :]
+        seen = torch.ones(n, n, dtype=torch.bool)
+        if right >= 0:
+            seen = seen & (j - i <= right)
+        if left >= 0:
+            seen = seen & (i - j <= left)
+        s = torch.where(seen, s, torch.tensor(float("-inf"), dtype=s.dtype))
+        p = torch.softmax(s.to(torch.promote_types(s.dtype, torch.float32)), dim=-1)
+        p = torch.where(seen.any(-1, keepdim=True), p, torch.zeros((), dtype=p.dtype)).to(q.dtype)
+        outs.append(torch.einsum("hij,jhd->ihd", p, vd))
+        start += n
+    return torch.cat(outs, dim=0)
+
+
 def check_backend_against_reference(
     backend,
     lengths,
@@ -105,6 +135,8 @@ def check_backend_against_reference(
             backward=has_backward(backend, device),
         )
     ref = lambda a, b, c: attention_reference(a, b, c, cu, cu, **kw)
+    if backend == "reference":  # the backend is the oracle: check it against a second one
+        ref = lambda a, b, c: independent_attention(a, b, c, lengths, **kw)
     lo = fwd_bwd(ref, q, k, v, grad_out)
     hi = fwd_bwd(ref, q.to(hi_dtype), k.to(hi_dtype), v.to(hi_dtype), grad_out.to(hi_dtype))
     for name, x, h, low, factor in zip(("out", "dq", "dk", "dv"), got, hi, lo, (2, 3, 3, 3)):

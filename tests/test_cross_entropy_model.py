@@ -369,8 +369,9 @@ if __name__ == "__main__":
     mp.spawn(worker, args=(port, out), nprocs=2, join=True)
     ref = tiny()
     ids, labels = batch()
-    ref(input_ids=ids, labels=labels).loss.backward()
-    torch.save({n: p.grad for n, p in ref.named_parameters()}, out + ".ref")
+    loss = ref(input_ids=ids, labels=labels).loss
+    loss.backward()
+    torch.save({"loss": loss.detach(), "grads": {n: p.grad for n, p in ref.named_parameters()}}, out + ".ref")
 """
 
 
@@ -395,7 +396,9 @@ def test_fsdp2_two_ranks_sharded_lm_head(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     got, ref = torch.load(out), torch.load(str(out) + ".ref")
-    for name, g in ref.items():
+    torch.testing.assert_close(got["loss"], ref["loss"], rtol=1e-5, atol=0)
+    assert ref["grads"].keys() == got["grads"].keys()
+    for name, g in ref["grads"].items():
         torch.testing.assert_close(got["grads"][name], g, rtol=1e-4, atol=1e-7, msg=name)
 
 
