@@ -35,6 +35,7 @@ _LAZY = {
     "is_fused_cross_entropy_installed": "integrations.loss",
     "uninstall_fused_cross_entropy": "integrations.loss",
     "register": "integrations.transformers",
+    "MultimodalPackingCollator": "multimodal",
     "OffsetsCheckCallback": "integrations.trainer_callbacks",
     "ExampleCountBatchSampler": "packing",
     "PackingResult": "packing",
