@@ -324,3 +324,66 @@ def test_the_report_merges_the_calls_of_a_grid(tmp_path):
     assert "| 32 | unsloth | hf_varlen | 0.00e+00 |" in text
     assert (tmp_path / "grid" / "e2e_tokens_per_s_llama-1b_alpaca_L1024.png").stat().st_size > 0
     assert (tmp_path / "grid" / "e2e_memory_llama-1b_alpaca_L1024.png").stat().st_size > 0
+
+
+def test_unsloths_own_counters_say_which_attention_it_ran(monkeypatch):
+    """Read from Unsloth's modules as they are after training (stand-ins here): its packed
+    attention's counters (full fine-tuning) and its dispatcher's pick for packed rows (LoRA)."""
+    import types
+
+    counters = {"fast": 0, "fallback": 0, "mask_checks": 16, "efficient": 0, "compiled": 400}
+    packed = types.SimpleNamespace(HF_PACKED_ATTENTION_STATS=counters)
+    dispatch = types.SimpleNamespace(
+        select_attention_backend=lambda use_varlen=False: "sdpa" if use_varlen else "x",
+        _TORCH_VARLEN_ATTN=None,
+    )
+    utils = types.SimpleNamespace(hf_packed_attention=packed, attention_dispatch=dispatch)
+    for name, mod in {
+        "unsloth": types.SimpleNamespace(utils=utils),
+        "unsloth.utils": utils,
+        "unsloth.utils.hf_packed_attention": packed,
+        "unsloth.utils.attention_dispatch": dispatch,
+    }.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    got = e2e_peers._unsloth_attention()
+    assert got["attention"].startswith("compiled per-layer blocks")
+    assert (
+        got["unsloth_packed_attention"] == counters
+        and counters is not got["unsloth_packed_attention"]
+    )
+    assert got["unsloth_dispatch"] == {"packed_backend": "sdpa", "torch_varlen_loaded": False}
+    counters.update(fast=24, compiled=0)
+    assert e2e_peers._unsloth_attention()["attention"].startswith("varlen (fast path)")
+    counters.update(fast=0, fallback=24)
+    assert e2e_peers._unsloth_attention()["attention"].startswith("dense SDPA fallback")
+    counters.update(fallback=0, mask_checks=0)  # the LoRA path: its own attention forward
+    assert "dispatcher" in e2e_peers._unsloth_attention()["attention"]
+
+
+def test_attention_kernels_are_named_from_the_profiled_step():
+    from types import SimpleNamespace
+
+    import bench_common
+
+    cuda = torch.autograd.DeviceType.CUDA
+
+    def ev(key, us, count=1, **kw):
+        return SimpleNamespace(key=key, self_device_time_total=us, count=count, device_type=cuda,
+                               is_user_annotation=kw.get("note", False))  # fmt: skip
+
+    events = [
+        ev("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128>>", 300.0, 16),
+        ev("void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<...>", 900.0, 16),
+        ev("ampere_bf16_s16816gemm_bf16_128x128", 5000.0, 64),
+        ev("fmha_cutlassF_bf16_aligned_64x128_rf_sm80", 10.0, 2),
+        ev("attention (record_function range)", 99999.0, 1, note=True),
+    ]
+    prof = SimpleNamespace(key_averages=lambda: events)
+    got = bench_common.attention_kernels(prof)
+    assert [(n[:28], c) for n, c, _ in got] == [
+        ("void pytorch_flash::flash_bw", 16),
+        ("void pytorch_flash::flash_fw", 16),
+        ("fmha_cutlassF_bf16_aligned_6", 2),
+    ]
+    assert got[0][2] == pytest.approx(0.9)  # ms
+    assert bench_common.device_kernel_seconds(prof) == pytest.approx(6210e-6)
