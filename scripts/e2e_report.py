@@ -191,6 +191,17 @@ def write_tables(results: list[dict], padding: list[dict], header: dict, path: P
         # What each mode really ran with (on a CPU the layer kernels are off, for instance).
         ran = {r["run"]["mode"]: r["kernels"] for r in rs if r.get("status") == "ok"}
         lines += ["", "Kernels per mode: " + "; ".join(f"{m}: {k}" for m, k in ran.items())]
+        # Why a cell did not run, in full (the tables show its first word).
+        why = {
+            (r["run"]["mode"], r["status"])
+            for r in rs
+            if str(r.get("status")).startswith("skipped")
+        }
+        if why:
+            lines += [
+                "",
+                "Not run: " + "; ".join(f"{m}: {s[len('skipped: ') :]}" for m, s in sorted(why)),
+            ]
         lines += _attention_lines(rs)
         lines += _loss_check_lines(rs)
     if padding:

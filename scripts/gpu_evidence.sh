@@ -53,7 +53,8 @@
 #                                  HF_VARLEN_LAYERS, HF_VARLEN_DATA alpaca | mix,
 #                                  HF_VARLEN_MAX_LENGTH (1024), HF_VARLEN_BATCH_SIZES (8),
 #                                  HF_VARLEN_PEER_MODES (instead of the kind's list),
-#                                  HF_VARLEN_STEPS (20); the saved models stay in /tmp/hf_varlen_e2e
+#                                  HF_VARLEN_STEPS (20), HF_VARLEN_WARMUP (5); the saved models stay
+#                                  in /tmp/hf_varlen_e2e
 #   bash scripts/gpu_evidence.sh bundle    OUT_DIR   # everything under OUT_DIR into one
 #                                  OUT_DIR/bundle.tgz, the rest removed: the device tool returns
 #                                  only a few files per call (a call's results.json were lost so)
@@ -361,7 +362,8 @@ import bench_e2e; print(bench_e2e.PEER_${kind^^}_MODES)") ;;
         --tokenizer "$data/qwen2" --alpaca "$data/alpaca_5000.json" --lima "$data/lima.json" \
         --models "$model" "${layers[@]}" --data "${HF_VARLEN_DATA:-alpaca}" \
         --max-lengths "${HF_VARLEN_MAX_LENGTH:-1024}" --modes "${HF_VARLEN_PEER_MODES:-$modes}" \
-        --batch-sizes "$batches" --steps "${HF_VARLEN_STEPS:-20}" --warmup 5 --timeout 300
+        --batch-sizes "$batches" --steps "${HF_VARLEN_STEPS:-20}" --warmup "${HF_VARLEN_WARMUP:-5}" \
+        --timeout 300
     ;;
 bundle)  # last in a call: one archive instead of the many files the stages leave
     (cd "$out" && tar czf /tmp/hf_varlen_bundle.tgz --exclude=bundle.tgz . &&

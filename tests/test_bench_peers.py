@@ -302,6 +302,7 @@ def test_peers_run_the_whole_path_end_to_end_on_cpu(tmp_path):
     text = (tmp_path / "e2e_tables.md").read_text()
     assert "Loss agreement" in text and "| 2 | torch-sdpa | hf_varlen |" in text
     assert "Attention each mode ran" in text
+    assert "Not run: unsloth: unsloth" in text  # the reason, in full
 
 
 def test_the_report_merges_the_calls_of_a_grid(tmp_path):
