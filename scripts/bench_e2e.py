@@ -872,7 +872,10 @@ def main(argv=None) -> list[dict]:
         precision=precision, steps=args.steps, warmup=args.warmup, layers=args.layers
     )
     print(json.dumps(header), flush=True)
-    datasets = {d: prepare_dataset(d, args, out) for d in args.data}
+    cache = Path(args.model_cache) if args.model_cache else out / "cache"
+    cache.mkdir(parents=True, exist_ok=True)
+    # the alpaca + lima mix file beside the saved models: data, not results to copy back
+    datasets = {d: prepare_dataset(d, args, cache) for d in args.data}
     padding = padding_rows(args, datasets)
     results: list[dict] = []
     runs: list[dict] = []
@@ -880,7 +883,6 @@ def main(argv=None) -> list[dict]:
         runs = run_grid(args)
     from e2e_workers import WorkerPool
 
-    cache = Path(args.model_cache) if args.model_cache else out / "cache"
     models = model_dirs(args, precision, cache) if runs else {}
     pool = peer_pool = None
     if args.isolate and not args.process_per_cell and runs:
