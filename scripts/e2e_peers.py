@@ -334,11 +334,16 @@ def run_unsloth(run: dict, batches, cuda: bool) -> dict:
     from trl import SFTConfig, SFTTrainer
 
     t0 = time.perf_counter()
+    four_bit = bool(spec.get("load_in_4bit"))
+    # Unsloth's load_in_4bit defaults to True: every precision flag is spelled out (16-bit LoRA
+    # needs its explicit load_in_16bit).
+    extra = {"load_in_16bit": True} if spec.get("lora") and not four_bit else {}
     model, tokenizer = FastLanguageModel.from_pretrained(
         run["model_dir"],
         max_seq_length=run["max_length"],
         dtype=_dtype(run, cuda),
-        load_in_4bit=bool(spec.get("load_in_4bit")),
+        load_in_4bit=four_bit,
+        **extra,
         full_finetuning=not spec.get("lora"),
         use_gradient_checkpointing=False,
         local_files_only=True,
