@@ -33,6 +33,26 @@ Modes (``--modes``, comma-separated):
                          after the trainer's eager trial forward: what a user would write, the
                          honest anchor for the compiled hf_varlen
 
+LoRA (r=16 on every linear layer, peft) on each path: hf_varlen-lora, -lora-compile, -lora-graphs,
+-lora-compile-graphs, minimal_varlen-lora(-compile); QLoRA (the same adapters over a 4-bit NF4
+base, ``hf-varlen train --load-in-4bit``; skipped with the reason where this tree, bitsandbytes or
+CUDA lacks it): hf_varlen-qlora, -qlora-compile, -qlora-graphs, minimal_varlen-qlora.
+
+Peers (e2e_peers: what a user would pick instead, each in a worker process and environment of its
+own, its site directory first on PYTHONPATH): unsloth (full fine-tuning, padding-free),
+unsloth-lora, unsloth-qlora, trl-sdpa and trl-liger (TRL SFTTrainer padding_free=True on sdpa,
+without / with Liger), torch-sdpa (a plain loop). Every mode and peer loads one saved random-init
+model (``--model-cache``/models, written once per model, layers, precision and seed) and trains on
+the same examples in the same order (hf-varlen train's sampler; the peers read the batches from
+``--model-cache``/batches); each peer pins every optimizer and schedule setting to ours
+(e2e_peers.sft_settings). Per cell a peer reports tokens/s after its warm-up (the warm-up, its
+compile, import and load reported apart), peak memory, GPU busy, the per-step losses and the
+attention kernels its profiled step ran (Unsloth also its packed-attention counters). The loss
+check (e2e_report.check_losses) compares every mode's per-step losses with the reference mode's
+(hf_varlen, hf_varlen-lora or hf_varlen-qlora) at each batch size: tolerance 2 x the spread among
+our own modes + 2 x the unit roundoff of the run's precision (``--loss-rtol`` replaces it); a mode
+past it is tabled as DIVERGED, not as a speed, and left out of the tokens/s plot.
+
 Compile modes also report per cell: the compilations (dynamo's unique graphs, this run's process),
 graph breaks, the first step's time, and the compile time estimate: the warm-up steps' excess over
 the steady step time.
@@ -49,19 +69,22 @@ and the tables show the run of median tokens/s with the range: host-bound cells 
 two modes that close.
 
 Outputs (``--out``): ``results.json`` (streamed after every run), ``e2e_tables.md`` (the tables for
-docs/BENCHMARKS.md), PNGs in ``--plots-dir`` (tokens/s vs batch size per mode, padding efficiency
-vs batch size, loss vs step and vs wall-clock packed vs padded), and with ``--profile`` one
-profiled step per model and profile mode in ``e2e_tables.md``: device time by category, the top
-kernels and host ops (torch.profiler), the top Python functions of 5 more steps (cProfile: the host
-time between ops), the host-device syncs of one more step with the frames that caused them, and
-where the host's wall time goes in ~3 s of more steps, sampled by py-spy where it is installed
-(e2e_host_sampler: native frames and waits too, at a cost per sample rather than per call).
+docs/BENCHMARKS.md), PNGs in ``--plots-dir`` (tokens/s vs batch size per mode, peak memory vs
+batch size per mode, padding efficiency vs batch size, loss vs step and vs wall-clock per mode),
+and with ``--profile`` one profiled step per model and profile mode in ``e2e_tables.md``: device
+time by category, the top kernels and host ops (torch.profiler), the top Python functions of 5
+more steps (cProfile: the host time between ops), the host-device syncs of one more step with
+the frames that caused them, and where the host's wall time goes in ~3 s of more steps, sampled
+by py-spy where it is installed (e2e_host_sampler: native frames and waits too, at a cost per
+sample rather than per call).
 
     python scripts/bench_e2e.py --out runs/e2e --plots-dir docs          # the issue's table
     python scripts/bench_e2e.py --models qwen3-8b --layers 8 --batch-sizes 32,128
     python scripts/bench_e2e.py --padding-only --plots-dir docs          # data only, no GPU
     python scripts/bench_e2e.py --modes minimal_varlen-compile,hf_varlen-compile --batch-sizes 8 \
         --repeats 3                                                     # a host-bound ranking
+    HF_VARLEN_PEER_SITE_UNSLOTH=/tmp/peers/unsloth HF_VARLEN_PEER_SITE_TRL=/tmp/peers/trl \
+        python scripts/bench_e2e.py --modes hf_varlen,unsloth,trl-sdpa,trl-liger --batch-sizes 8
 """
 
 from __future__ import annotations
@@ -81,6 +104,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
+from e2e_peers import PEERS  # noqa: E402  (no torch, no hf_varlen: cheap)
+
 SHARED = ROOT.parent / "shared" / "data"
 PEAK_TFLOPS_H200 = 790.0  # dense bf16 matmul peak as measured on our H200 (ANCHORS.md)
 MINIMAL_ATTN = "bench_minimal_varlen"
@@ -88,6 +113,10 @@ MINIMAL_ATTN = "bench_minimal_varlen"
 # The two configurations the modes vary: hf_varlen in full, and the 15-line integration.
 FULL = dict(attn_backend="auto", fused_kernels="on", fused_loss="on")
 MINIMAL = dict(attn_implementation=MINIMAL_ATTN, fused_kernels="off", fused_loss="off")
+
+LORA = dict(lora=True, lora_r=16)
+QLORA = dict(LORA, load_in_4bit=True)
+GRAPHS = dict(static_shapes=True, cuda_graphs="on")
 
 MODES: dict[str, dict] = {
     "padded_sdpa": dict(padded=True, fused_kernels="off", fused_loss="off"),
@@ -125,10 +154,28 @@ MODES: dict[str, dict] = {
         "compile_mode": "reduce-overhead",
         "static_shapes": True,
     },
+    # LoRA on the fast paths, and QLoRA: the same adapters over a 4-bit NF4 base (bitsandbytes,
+    # compute in bf16; hf-varlen train --load-in-4bit).
+    "hf_varlen-lora-compile": {**FULL, **LORA, "compile": True},
+    "hf_varlen-lora-graphs": {**FULL, **LORA, **GRAPHS},
+    "hf_varlen-lora-compile-graphs": {**FULL, **LORA, **GRAPHS, "compile": True},
+    "minimal_varlen-lora-compile": {**MINIMAL, **LORA, "plain_compile": True},
+    "hf_varlen-qlora": {**FULL, **QLORA},
+    "hf_varlen-qlora-compile": {**FULL, **QLORA, "compile": True},
+    "hf_varlen-qlora-graphs": {**FULL, **QLORA, **GRAPHS},
+    "minimal_varlen-qlora": {**MINIMAL, **QLORA},
+    # The peers, each in its own worker process and environment (e2e_peers).
+    **{name: {"peer": name} for name in PEERS},
 }
 DEFAULT_MODES = "padded_sdpa,packed_sdpa,packed_flex,minimal_varlen,hf_varlen,hf_varlen-attn,hf_varlen-kernels,hf_varlen-loss,liger_packed"
 COMPILE_MODES = "minimal_varlen,minimal_varlen-compile,hf_varlen,hf_varlen-compile"
-BENCH_ONLY = ("liger", "plain_compile")  # mode keys that are not TrainConfig fields
+BENCH_ONLY = ("liger", "plain_compile", "peer")  # mode keys that are not TrainConfig fields
+# The seed's grid: our modes beside the peers, one invocation per batch size (gpu_evidence.sh
+# peers; each within one 10-minute call: a compiled 1B-shape cell alone takes 85-200 s, so the
+# compiled modes join through HF_VARLEN_PEER_MODES where the call has room).
+PEER_FULL_MODES = "hf_varlen,hf_varlen-graphs,minimal_varlen,unsloth,trl-sdpa,trl-liger"
+PEER_LORA_MODES = "hf_varlen-lora,hf_varlen-lora-graphs,minimal_varlen-lora,unsloth-lora"
+PEER_QLORA_MODES = "hf_varlen-qlora,hf_varlen-qlora-graphs,minimal_varlen-qlora,unsloth-qlora"
 
 
 # --------------------------------------------------------------------------------------------- #
@@ -186,6 +233,15 @@ def mode_unavailable(mode: str, device: str) -> str | None:
     import importlib.util
 
     spec = MODES[mode]
+    if spec.get("load_in_4bit"):
+        from hf_varlen.training import TrainConfig
+
+        if "load_in_4bit" not in TrainConfig.__dataclass_fields__:
+            return "hf-varlen train has no --load-in-4bit in this tree (QLoRA)"
+        if device != "cuda":
+            return "4-bit (bitsandbytes NF4) bases need CUDA"
+        if importlib.util.find_spec("bitsandbytes") is None:
+            return "bitsandbytes not installed (QLoRA modes)"
     if spec.get("liger") and importlib.util.find_spec("liger_kernel") is None:
         return "liger-kernel not installed"
     if spec.get("lora") and importlib.util.find_spec("peft") is None:
@@ -206,8 +262,10 @@ def train_config(run: dict, device: str):
     if device != "cuda" and spec.get("cuda_graphs") == "on":
         spec["cuda_graphs"] = "auto"  # CPU smoke runs: graphs need CUDA (auto says so)
     overrides = f"num_hidden_layers={run['layers']}" if run.get("layers") else None
+    if run.get("model_dir"):  # the folder every mode and peer loads (its layers already cut)
+        overrides = None
     return TrainConfig(
-        model=run["model"],
+        model=run.get("model_dir") or run["model"],
         tokenizer=run["tokenizer"],
         config_overrides=overrides,
         dataset=run["dataset"],
@@ -288,6 +346,7 @@ def run_one(run: dict, fresh_dynamo: bool = True) -> dict:
         "losses": [r["loss"] for r in records],
         "elapsed": [r["elapsed"] for r in records],
         "kernels": trainer.kernels,
+        "precision_policy": precision_policy(run, trainer.precision),
         "params": trainer.params,
         **({"cuda_graphs": graphs["text"]} if (graphs := trainer.graphs_summary()) else {}),
         **compile_stats(run, records, steady),
@@ -295,12 +354,26 @@ def run_one(run: dict, fresh_dynamo: bool = True) -> dict:
     }
 
 
+def precision_policy(run: dict, precision: str) -> str:
+    """What a row's numbers were trained in, in the peers' words (e2e_peers._policy)."""
+    text = {
+        "bf16": "bf16 weights and math",
+        "bf16-mixed": "fp32 weights + bf16 autocast",
+    }.get(precision, precision)
+    spec = MODES[run["mode"]]
+    if spec.get("load_in_4bit"):
+        text = "NF4 base, bf16 compute"
+    return text + ("; LoRA adapters as peft creates them" if spec.get("lora") else "")
+
+
 def gpu_busy(trainer) -> dict:
     """How busy the GPU is during one more training step (after the timed ones, so compiled and
     graph-captured modes are warm): device kernel time over the step's wall time, from a
     CUDA-only profiler trace (no CPU op tracing, which would slow the host and flatter nothing).
-    Kernels on several streams could overlap and count twice; the training step uses one."""
+    Kernels on several streams could overlap and count twice; the training step uses one. The
+    same trace names the attention kernels the step ran (the peers report theirs alike)."""
     import torch
+    from bench_common import attention_kernels, device_kernel_seconds
     from torch.profiler import ProfilerActivity, profile
 
     slot = list(trainer.sampler)[0]
@@ -310,24 +383,18 @@ def gpu_busy(trainer) -> dict:
         trainer.train_step([slot])
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
-    kernel_us = sum(
-        getattr(e, "self_device_time_total", 0) or 0
-        for e in prof.key_averages()
-        if is_device_kernel(e)
-    )
-    return {"gpu_busy": kernel_us / 1e6 / wall, "busy_step_ms": 1e3 * wall}
+    return {
+        "gpu_busy": device_kernel_seconds(prof) / wall,
+        "busy_step_ms": 1e3 * wall,
+        "attention_kernels": attention_kernels(prof),
+    }
 
 
 def is_device_kernel(event) -> bool:
-    """Whether a profiler event is device work: a CUDA-timeline event that is not a user
-    annotation. The profiler also puts ``record_function`` ranges on the device timeline (the
-    optimizer's ``Optimizer.step#AdamW.step``, 6.8 ms of a batch-32 step), which would count the
-    kernels inside them twice; torch's own table total leaves them out the same way."""
-    import torch
+    """bench_common.is_device_kernel (kept here for the step profile)."""
+    from bench_common import is_device_kernel as is_kernel
 
-    return event.device_type == torch.autograd.DeviceType.CUDA and not getattr(
-        event, "is_user_annotation", False
-    )
+    return is_kernel(event)
 
 
 def _unsteady(record: dict) -> bool:
@@ -459,7 +526,132 @@ def prepare_dataset(name: str, args, out: Path) -> str:
     return name  # any local file or hub dataset the trainer accepts
 
 
-def launch(run: dict, *, isolate: bool, timeout: float, pool=None) -> dict:
+def prepare_model_dir(spec: dict) -> str:
+    """Save the random-init model of ``spec`` (preset, layers, tokenizer, precision, seed) once to
+    ``spec["dir"]`` with its tokenizer, for every mode and peer to load with
+    ``local_files_only``: Unsloth has no ``from_config``, and one folder makes the initial
+    weights identical everywhere (a preset's init on the GPU draws other numbers than on the
+    host). A folder written for the same spec is reused."""
+    import shutil
+
+    import torch
+
+    from hf_varlen.training import TrainConfig
+    from hf_varlen.training.model import build_model, load_tokenizer
+
+    out = Path(spec["dir"])
+    marker = out / "bench_e2e_model.json"
+    if marker.exists() and json.loads(marker.read_text()) == spec:
+        return str(out)
+    shutil.rmtree(out, ignore_errors=True)
+    overrides = f"num_hidden_layers={spec['layers']}" if spec.get("layers") else None
+    cfg = TrainConfig(
+        model=spec["model"], tokenizer=spec["tokenizer"], config_overrides=overrides,
+        attn_implementation="sdpa",  # saved in config.json: one every peer's transformers knows
+    )  # fmt: skip
+    tokenizer = load_tokenizer(cfg)
+    torch.manual_seed(spec["seed"])
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = build_model(cfg, tokenizer, spec["precision"], device)
+    model.save_pretrained(out)
+    source = Path(spec["tokenizer"])
+    if source.is_dir():  # the tokenizer's own files, readable by an older transformers too
+        for f in source.iterdir():
+            if f.is_file():
+                shutil.copy(f, out / f.name)
+    else:
+        tokenizer.save_pretrained(out)
+    marker.write_text(json.dumps(spec))
+    return str(out)
+
+
+def model_dirs(args, precision: str, cache: Path) -> dict[str, str]:
+    """The saved model of each ``--models`` entry (a preset's random init; a local folder as it
+    is). On a GPU each is built in a process of its own, so this one holds no CUDA context."""
+    from hf_varlen.training.builtin import PRESETS
+
+    dirs = {}
+    for model in args.models:
+        if model not in PRESETS:
+            dirs[model] = model
+            continue
+        layers = f"_{args.layers}layers" if args.layers else ""
+        spec = dict(model=model, layers=args.layers, tokenizer=args.tokenizer,
+                    precision=precision, seed=args.seed)  # fmt: skip
+        spec["dir"] = str(cache / "models" / f"{model}{layers}_{precision}_seed{args.seed}")
+        if args.isolate:
+            cmd = [sys.executable, __file__, "--prepare-model", json.dumps(spec)]
+            subprocess.run(cmd, check=True)
+            dirs[model] = spec["dir"]
+        else:
+            dirs[model] = prepare_model_dir(spec)
+    return dirs
+
+
+@functools.cache
+def _examples(dataset: str, tokenizer: str, max_length: int, seed: int):
+    from hf_varlen.training import TrainConfig
+    from hf_varlen.training.data import detect_format, load_records, split_eval, tokenize
+    from hf_varlen.training.model import load_tokenizer
+
+    cfg = TrainConfig(  # the fields of train_config that shape the examples (builtin: the seed)
+        tokenizer=tokenizer, dataset=dataset, format="alpaca", max_length=max_length, seed=seed
+    )
+    records = load_records(dataset, cfg)
+    examples = tokenize(records, detect_format(records, cfg, dataset), load_tokenizer(cfg), cfg)
+    return split_eval(examples, 0.0, seed)[0]
+
+
+def trainer_batches(run: dict, n: int) -> list[list[dict]]:
+    """The first ``n`` batches ``hf-varlen train`` trains on in ``run`` (its sampler: one
+    process, shuffled with the seed, epoch 0): per batch its examples' input_ids and labels."""
+    from hf_varlen.packing import ExampleCountBatchSampler
+
+    ex = _examples(run["dataset"], run["tokenizer"], run["max_length"], run["seed"])
+    sampler = ExampleCountBatchSampler(
+        ex.lengths, run["batch_size"], shuffle=True, seed=run["seed"], num_replicas=1, rank=0
+    )
+    sampler.set_epoch(0)
+    slots = list(sampler)
+    if len(slots) < n:
+        raise ValueError(f"{run['dataset']}: {len(slots)} batches of {run['batch_size']}, need {n}")
+    return [
+        [{"input_ids": ex.input_ids[i].tolist(), "labels": ex.labels[i].tolist()} for i in slot]
+        for slot in slots[:n]
+    ]
+
+
+def export_batches(run: dict, cache: Path) -> str:
+    """The batches file a peer trains on (e2e_peers.read_batches): the timed steps + the profiled
+    one, one JSON list of examples per line. Written once per data, length, batch and seed."""
+    n = run["steps"] + 1
+    tok = Path(run["tokenizer"]).name
+    name = f"{run['data']}_{tok}_L{run['max_length']}_B{run['batch_size']}_seed{run['seed']}_n{n}"
+    path = cache / "batches" / f"{name}.jsonl"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(b) + "\n" for b in trainer_batches(run, n)))
+        tmp.replace(path)
+    return str(path)
+
+
+def peer_spawn(compile_dir: Path):
+    """e2e_workers.WorkerPool's ``spawn`` for the peers: e2e_peers.py in the peer's environment."""
+    import os
+
+    from e2e_peers import peer_command, peer_env
+
+    def spawn(run: dict) -> tuple[list[str], dict]:
+        compile_dir.mkdir(parents=True, exist_ok=True)
+        return peer_command(), peer_env(run["mode"], dict(os.environ), str(compile_dir))
+
+    return spawn
+
+
+def launch(run: dict, *, isolate: bool, timeout: float, pool=None, peer_pool=None) -> dict:
+    if MODES[run["mode"]].get("peer"):  # always a worker of its own environment
+        return peer_pool.run(run, timeout)
     if not isolate:
         return run_one(run)
     if pool is not None:
@@ -560,6 +752,21 @@ def parse_args(argv=None):
         default="inductor",
         help="torch.compile backend of hf_varlen-compile (aot_eager: CPU smoke runs)",
     )
+    p.add_argument(
+        "--model-cache",
+        default=None,
+        help="where the saved random-init models and the peers' batch files go (default: "
+        "OUT/cache; keep it out of a folder that is copied back)",
+    )
+    p.add_argument(
+        "--loss-rtol",
+        type=float,
+        default=None,
+        help="flag a mode whose per-step losses differ by more than this (relative) from the "
+        "reference mode's; default: 2 x the spread among our own modes + 2 x the precision's "
+        "unit roundoff",
+    )
+    p.add_argument("--prepare-model", help=argparse.SUPPRESS)
     p.add_argument("--one", help=argparse.SUPPRESS)
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
@@ -567,6 +774,9 @@ def parse_args(argv=None):
     unknown = [m for m in args.modes + args.profile_modes if m not in MODES]
     if unknown:
         p.error(f"--modes: unknown {unknown}; known: {list(MODES)}")
+    peers = [m for m in args.profile_modes if MODES[m].get("peer")]
+    if args.profile and peers:
+        p.error(f"--profile-modes: {peers} are peers (their cells carry GPU busy and attention)")
     if args.repeats < 1:
         p.error(f"--repeats {args.repeats} must be >= 1")
     if args.warmup >= args.steps:
@@ -596,9 +806,12 @@ def run_grid(args) -> list[dict]:
     return runs
 
 
-def run_cells(runs: list[dict], common: dict, datasets: dict, args, out: Path, record, pool):
+def run_cells(runs: list[dict], common: dict, datasets: dict, args, out: Path, record, pools,
+              models: dict[str, str], cache: Path):  # fmt: skip
     """Run the grid's cells in order; ``record(result)`` after each (results.json is streamed).
-    ``common``: the fields every run shares (precision, peak, ...); ``datasets``: paths by name."""
+    ``common``: the fields every run shares (precision, peak, ...); ``datasets``: paths by name;
+    ``pools``: (our modes' worker pool or None, the peers' or None); ``models``: the saved model
+    folder of each model; ``cache``: where the peers' batch files go."""
     from e2e_report import fmt_cell
 
     for i, run in enumerate(runs):
@@ -610,9 +823,15 @@ def run_cells(runs: list[dict], common: dict, datasets: dict, args, out: Path, r
             common,
             dataset=datasets[run["data"]],
             run_dir=str(out / f"{name}_B{run['batch_size']}_{run['mode']}{rep}"),
+            model_dir=models[run["model"]],
         )
+        if MODES[run["mode"]].get("peer"):
+            run.update(peer=True, batches_path=export_batches(run, cache))
         t0 = time.perf_counter()
-        result = launch(run, isolate=args.isolate, timeout=args.timeout, pool=pool)
+        pool, peer_pool = pools
+        result = launch(
+            run, isolate=args.isolate, timeout=args.timeout, pool=pool, peer_pool=peer_pool
+        )
         result["run"] = run
         record(result)
         print(
@@ -625,6 +844,9 @@ def run_cells(runs: list[dict], common: dict, datasets: dict, args, out: Path, r
 
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
+    if args.prepare_model:
+        prepare_model_dir(json.loads(args.prepare_model))
+        return []
     if args.serve:  # a worker of e2e_workers.WorkerPool
         from e2e_workers import serve
 
@@ -637,7 +859,7 @@ def main(argv=None) -> list[dict]:
 
     import torch
     from bench_common import run_header
-    from e2e_report import write_plots, write_tables
+    from e2e_report import check_losses, write_plots, write_tables
 
     cuda = torch.cuda.is_available()
     precision = args.precision or ("bf16" if cuda else "fp32")
@@ -650,17 +872,23 @@ def main(argv=None) -> list[dict]:
         precision=precision, steps=args.steps, warmup=args.warmup, layers=args.layers
     )
     print(json.dumps(header), flush=True)
-    datasets = {d: prepare_dataset(d, args, out) for d in args.data}
+    cache = Path(args.model_cache) if args.model_cache else out / "cache"
+    cache.mkdir(parents=True, exist_ok=True)
+    # the alpaca + lima mix file beside the saved models: data, not results to copy back
+    datasets = {d: prepare_dataset(d, args, cache) for d in args.data}
     padding = padding_rows(args, datasets)
     results: list[dict] = []
     runs: list[dict] = []
     if not args.padding_only:
         runs = run_grid(args)
-    pool = None
-    if args.isolate and not args.process_per_cell and runs:
-        from e2e_workers import WorkerPool
+    from e2e_workers import WorkerPool
 
+    models = model_dirs(args, precision, cache) if runs else {}
+    pool = peer_pool = None
+    if args.isolate and not args.process_per_cell and runs:
         pool = WorkerPool(Path(__file__), out / "workers")
+    if any(MODES[r["mode"]].get("peer") for r in runs):
+        peer_pool = WorkerPool(Path(__file__), out / "workers", spawn=peer_spawn(cache / "unsloth"))
     common = dict(
         tokenizer=args.tokenizer,
         layers=args.layers,
@@ -680,10 +908,12 @@ def main(argv=None) -> list[dict]:
         )
 
     try:
-        run_cells(runs, common, datasets, args, out, record, pool)
+        run_cells(runs, common, datasets, args, out, record, (pool, peer_pool), models, cache)
     finally:
-        if pool is not None:
-            pool.close()
+        for each in (pool, peer_pool):
+            if each is not None:
+                each.close()
+    check_losses(results, args.loss_rtol)  # annotates every cell with its "loss_check"
     (out / "results.json").write_text(
         json.dumps({"header": header, "padding": padding, "results": results}, indent=1)
     )

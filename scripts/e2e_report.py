@@ -24,6 +24,57 @@ def loss_gap(result: dict, baseline: dict | None) -> float | None:
     return max(abs(a - b) / abs(b) for a, b in pairs) if pairs else None
 
 
+# Unit roundoff of the precision a run trained in: a loss value itself carries this much.
+UNIT_ROUNDOFF = {"bf16": 2.0**-8, "fp32": 2.0**-24}
+REFERENCE_MODES = ("hf_varlen", "hf_varlen-lora", "hf_varlen-qlora")
+
+
+def _family(mode: str) -> str:
+    return "qlora" if "qlora" in mode else "lora" if "lora" in mode else "full"
+
+
+def check_losses(results: list[dict], rtol: float | None = None) -> list[dict]:
+    """Whether every mode's per-step losses agree with the reference mode's on the same examples
+    (same model, data, length, batch size; full fine-tuning, LoRA and QLoRA apart), in the spirit
+    of the numerics rule (docs TESTING.md): the tolerance is 2 x the spread among our own modes
+    (the reference against each other of ours: eager, compiled, captured, the minimal
+    integration: the same math in other kernels) + 2 x the unit roundoff of the loss in the
+    run's precision; ``rtol`` replaces it. Each finished cell gets ``loss_check`` = {reference,
+    gap, tol, agree}; returns those rows. A mode that disagrees is flagged in the tables and left
+    out of the tokens/s plot, not compared as faster."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in results:
+        run = r["run"]
+        if r.get("status") != "ok" or run.get("profile") or not r.get("losses"):
+            continue
+        key = (
+            run["model"],
+            run["data"],
+            run["max_length"],
+            run["batch_size"],
+            run.get("repeat", 0),
+        )
+        groups.setdefault((*key, _family(run["mode"])), []).append(r)
+    rows = []
+    for key, rs in groups.items():
+        own = [r for r in rs if not r["run"].get("peer")]
+        ref = next((r for r in own if r["run"]["mode"] in REFERENCE_MODES), (own or rs)[0])
+        spread = max((loss_gap(r, ref) or 0.0 for r in own if r is not ref), default=0.0)
+        unit = UNIT_ROUNDOFF.get(ref["run"].get("precision"), UNIT_ROUNDOFF["bf16"])
+        tol = rtol if rtol is not None else 2 * spread + 2 * unit
+        for r in rs:
+            gap = loss_gap(r, ref) or 0.0
+            check = dict(reference=ref["run"]["mode"], gap=gap, tol=tol, agree=gap <= tol)
+            r["loss_check"] = check
+            rows.append(dict(zip(("model", "data", "max_length", "batch_size"), key[:4],
+                                 strict=True), family=key[5], mode=r["run"]["mode"], **check))  # fmt: skip
+    return rows
+
+
+def diverged(r: dict) -> bool:
+    return r.get("loss_check", {}).get("agree") is False
+
+
 def median_of_repeats(results: list[dict]) -> list[dict]:
     """One result per configuration: ``--repeats`` runs of a cell (the same model, data, length,
     batch size and mode; profiles are kept as they are) are replaced by the run of median tokens/s,
@@ -58,6 +109,9 @@ def _median_run(rs: list[dict]) -> dict:
 def fmt_cell(r: dict) -> str:
     if r.get("status") != "ok":
         return r.get("status", "?").split(":")[0]
+    if diverged(r):  # not tabled as faster: its loss left the others'
+        c = r["loss_check"]
+        return f"DIVERGED: loss gap {c['gap']:.1e} > {c['tol']:.1e} to {c['reference']}"
     if "tokens_per_s" not in r:  # a profiled step
         return f"profiled step {r['step_ms']:.1f} ms"
     text = f"{r['tokens_per_s'] / 1e3:.1f}K, {r['peak_gib']:.1f} GiB"
@@ -73,6 +127,9 @@ def fmt_cell(r: dict) -> str:
         text += f", compile {r['compile_s']:.0f} s ({r['compilations']} graphs{breaks})"
         if r.get("worker_cell"):  # e2e_workers: this mode's earlier cells compiled the rest
             text += " after earlier cells"
+    elif "warmup_s" in r:  # a peer: its warm-up steps (its compile included) and start-up
+        start = sum(r.get(k, 0.0) for k in ("import_s", "load_s"))
+        text += f", warm-up {r['warmup_s']:.0f} s, start-up {start:.0f} s"
     if r.get("excluded_steps"):  # timed steps that compiled or captured, left out of tokens/s
         text += f", {r['excluded_steps']} capture/compile steps excluded"
     return text
@@ -134,6 +191,19 @@ def write_tables(results: list[dict], padding: list[dict], header: dict, path: P
         # What each mode really ran with (on a CPU the layer kernels are off, for instance).
         ran = {r["run"]["mode"]: r["kernels"] for r in rs if r.get("status") == "ok"}
         lines += ["", "Kernels per mode: " + "; ".join(f"{m}: {k}" for m, k in ran.items())]
+        # Why a cell did not run, in full (the tables show its first word).
+        why = {
+            (r["run"]["mode"], r["status"])
+            for r in rs
+            if str(r.get("status")).startswith("skipped")
+        }
+        if why:
+            lines += [
+                "",
+                "Not run: " + "; ".join(f"{m}: {s[len('skipped: ') :]}" for m, s in sorted(why)),
+            ]
+        lines += _attention_lines(rs)
+        lines += _loss_check_lines(rs)
     if padding:
         lines += [
             "",
@@ -197,6 +267,55 @@ def write_tables(results: list[dict], padding: list[dict], header: dict, path: P
     path.write_text("\n".join(lines) + "\n")
 
 
+def _attention_lines(rs: list[dict]) -> list[str]:
+    """Per mode: the attention kernels its profiled step ran (most time first), what a peer says
+    it ran (Unsloth's counters), its precision policy and library versions where it has its
+    own environment."""
+    lines = []
+    for mode in dict.fromkeys(r["run"]["mode"] for r in rs):
+        cells = [r for r in rs if r["run"]["mode"] == mode and r.get("status") == "ok"]
+        if not cells:
+            continue
+        r = max(cells, key=lambda c: c["run"]["batch_size"])
+        parts = []
+        if r.get("attention_kernels"):
+            parts.append(
+                "kernels " + ", ".join(f"`{n}` x{c}" for n, c, _ in r["attention_kernels"][:3])
+            )
+        if r.get("attention"):
+            parts.append(str(r["attention"]))
+        if r.get("precision_policy"):
+            parts.append(r["precision_policy"])
+        if r.get("versions"):
+            parts.append(", ".join(f"{k} {v}" for k, v in r["versions"].items()))
+        if parts:
+            lines.append(f"- {mode} (batch {r['run']['batch_size']}): " + "; ".join(parts))
+    return ["", "Attention each mode ran, precision, environment:", "", *lines] if lines else []
+
+
+def _loss_check_lines(rs: list[dict]) -> list[str]:
+    """The loss agreement per batch size and mode (check_losses), the largest gap first."""
+    checked = [r for r in rs if "loss_check" in r]
+    if not checked:
+        return []
+    lines = [
+        "",
+        "Loss agreement (max relative gap of the per-step losses to the reference mode on the "
+        "same examples; tolerance: 2 x the spread among our own modes + 2 x the unit roundoff):",
+        "",
+        "| batch | mode | reference | max rel. gap | tolerance | |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in sorted(checked, key=lambda r: (r["run"]["batch_size"], -r["loss_check"]["gap"])):
+        c = r["loss_check"]
+        verdict = "agrees" if c["agree"] else "**DIVERGED**"
+        lines.append(
+            f"| {r['run']['batch_size']} | {r['run']['mode']} | {c['reference']} | "
+            f"{c['gap']:.2e} | {c['tol']:.2e} | {verdict} |"
+        )
+    return lines
+
+
 def _sampled_lines(r: dict) -> list[str]:
     """The py-spy section of a profiled cell (e2e_host_sampler), or why it did not run."""
     if "sampled" in r:
@@ -249,6 +368,7 @@ def write_plots(results: list[dict], padding: list[dict], out_dir: Path) -> list
         tag = f"{model}_{data}_L{max_length}"
         by_batch = (  # metric, scale, axis label, file name
             ("tokens_per_s", 1e-3, "real tokens/s (K)", f"e2e_tokens_per_s_{tag}.png"),
+            ("peak_gib", 1.0, "peak memory (GiB)", f"e2e_memory_{tag}.png"),
             ("gpu_busy", 100.0, "GPU busy (% of the step)", f"e2e_gpu_busy_{tag}.png"),
         )
         for key, scale, label, name in by_batch:
@@ -258,9 +378,11 @@ def write_plots(results: list[dict], padding: list[dict], out_dir: Path) -> list
             for mode in dict.fromkeys(r["run"]["mode"] for r in rs):
                 pts = sorted(
                     (r["run"]["batch_size"], r[key])
-                    for r in rs
-                    if r["run"]["mode"] == mode and key in r
+                    for r in rs  # a diverged cell is not plotted as a speed
+                    if r["run"]["mode"] == mode and key in r and not diverged(r)
                 )
+                if not pts:
+                    continue
                 ax.plot([p[0] for p in pts], [p[1] * scale for p in pts], "o-", ms=3, label=mode)
             ax.set_xscale("log", base=2)
             ax.set(xlabel="per-device batch (examples)", ylabel=label)
@@ -268,8 +390,9 @@ def write_plots(results: list[dict], padding: list[dict], out_dir: Path) -> list
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
             save(fig, name)
-        # Loss curves: packed modes vs padded at the largest batch that both ran.
+        # Loss curves: every mode at the largest batch that padded_sdpa ran, else that any ran.
         sizes = sorted({r["run"]["batch_size"] for r in rs if r["run"]["mode"] == "padded_sdpa"})
+        sizes = sizes or sorted({r["run"]["batch_size"] for r in rs})
         for x_key, name in (("step", "loss_vs_step"), ("elapsed", "loss_vs_time")):
             if not sizes:
                 break
@@ -281,7 +404,7 @@ def write_plots(results: list[dict], padding: list[dict], out_dir: Path) -> list
                 xs = r["elapsed"] if x_key == "elapsed" else list(range(1, len(r["losses"]) + 1))
                 ax.plot(xs, r["losses"], lw=1.1, label=r["run"]["mode"])
             ax.set(xlabel="wall-clock (s)" if x_key == "elapsed" else "step", ylabel="loss")
-            ax.set_title(f"{model}, {data}, L {max_length}, batch {b}: packed vs padded")
+            ax.set_title(f"{model}, {data}, L {max_length}, batch {b}: loss per mode")
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
             save(fig, f"e2e_{name}_{tag}.png")
@@ -308,13 +431,26 @@ def write_plots(results: list[dict], padding: list[dict], out_dir: Path) -> list
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description="Re-render bench_e2e tables and plots")
-    p.add_argument("results", help="results.json written by bench_e2e.py")
-    p.add_argument("--plots-dir", default=None, help="default: next to results.json")
+    p.add_argument(
+        "results",
+        nargs="+",
+        help="results.json files written by bench_e2e.py (several: one per call of a grid that "
+        "ran a batch size per call, merged into one table and one chart per model and data)",
+    )
+    p.add_argument("--plots-dir", default=None, help="default: next to the first results.json")
+    p.add_argument("--out", default=None, help="the tables' file (default: next to the first)")
+    p.add_argument("--loss-rtol", type=float, default=None, help="as bench_e2e.py --loss-rtol")
     args = p.parse_args(argv)
-    path = Path(args.results)
-    data = json.loads(path.read_text())
-    write_tables(data["results"], data["padding"], data["header"], path.parent / "e2e_tables.md")
-    write_plots(data["results"], data["padding"], Path(args.plots_dir or path.parent))
+    first = Path(args.results[0])
+    header, padding, results = None, [], []
+    for path in args.results:
+        data = json.loads(Path(path).read_text())
+        header = header or data["header"]
+        padding += [row for row in data["padding"] if row not in padding]
+        results += data["results"]
+    check_losses(results, args.loss_rtol)
+    write_tables(results, padding, header, Path(args.out or first.parent / "e2e_tables.md"))
+    write_plots(results, padding, Path(args.plots_dir or first.parent))
 
 
 if __name__ == "__main__":

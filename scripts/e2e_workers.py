@@ -16,6 +16,10 @@ Protocol: the parent writes one JSON run per line to the worker's stdin; the wor
 cell's result to ``<run_dir>/result.json`` (atomically). A worker whose cell ended in an error, an
 OOM or a timeout is stopped (its CUDA state is not trusted further); the next cell of its mode
 starts a new one. Worker output goes to ``<log_dir>/<model>_<mode>.log``.
+
+A peer mode (e2e_peers: Unsloth, TRL) runs another script in another environment: ``spawn(run)``
+gives the command and the environment of a run's worker (default: ``script --serve`` in this
+process's environment).
 """
 
 from __future__ import annotations
@@ -52,19 +56,27 @@ def _trusted(result: dict) -> bool:
 class WorkerPool:
     """Runs cells in per-(model, mode) worker processes of ``script --serve``."""
 
-    def __init__(self, script: Path, log_dir: Path):
+    def __init__(
+        self,
+        script: Path,
+        log_dir: Path,
+        spawn: Callable[[dict], tuple[list[str], dict | None]] | None = None,
+    ):
         self.script = Path(script)
         self.log_dir = Path(log_dir)
+        self.spawn = spawn or (lambda run: ([sys.executable, str(self.script), "--serve"], None))
         self.workers: dict[str, subprocess.Popen] = {}
         self.logs: dict[str, Path] = {}
 
-    def _start(self, key: str) -> subprocess.Popen:
+    def _start(self, key: str, run: dict) -> subprocess.Popen:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = self.log_dir / f"{key}.log"
         self.logs[key] = log
+        command, env = self.spawn(run)
         with open(log, "a") as sink:  # the child keeps its own descriptor
             proc = subprocess.Popen(
-                [sys.executable, str(self.script), "--serve"],
+                command,
+                env=env,
                 stdin=subprocess.PIPE,
                 stdout=sink,
                 stderr=subprocess.STDOUT,
@@ -90,7 +102,7 @@ class WorkerPool:
         key = f"{run['model']}_{run['mode']}".replace("/", "_")
         proc = self.workers.get(key)
         if proc is None or proc.poll() is not None:
-            proc = self._start(key)
+            proc = self._start(key, run)
         result_path = Path(run["run_dir"]) / "result.json"
         result_path.parent.mkdir(parents=True, exist_ok=True)
         result_path.unlink(missing_ok=True)

@@ -42,6 +42,19 @@
 #                                  and DDP checkpoint + resume across the ranks (ddp-resume)
 #   bash scripts/gpu_evidence.sh lora      OUT_DIR   # bench_e2e: LoRA r=16 vs full, B8 and B32
 #                                                     (needs the peft wheel among the carried ones)
+#   bash scripts/gpu_evidence.sh peers_install OUT_DIR  # the peers' wheels (carry the parts of
+#                                  .gpu-wheels/peers, scripts/gpu_wheels_peers.sh, in this call or
+#                                  earlier ones while the machine stays warm) into /tmp/peers/unsloth
+#                                  and /tmp/peers/trl, each site once all its wheels are here
+#   bash scripts/gpu_evidence.sh peers     OUT_DIR   # bench_e2e: our modes beside Unsloth and TRL
+#                                  (+ Liger) at one batch size per call, each peer in its own
+#                                  worker and site (scripts/e2e_peers.py); HF_VARLEN_PEER_KIND full
+#                                  (default) | lora | qlora, HF_VARLEN_MODEL llama-1b | qwen3-8b,
+#                                  HF_VARLEN_LAYERS, HF_VARLEN_DATA alpaca | mix,
+#                                  HF_VARLEN_MAX_LENGTH (1024), HF_VARLEN_BATCH_SIZES (8),
+#                                  HF_VARLEN_PEER_MODES (instead of the kind's list),
+#                                  HF_VARLEN_STEPS (20), HF_VARLEN_WARMUP (5); the saved models stay
+#                                  in /tmp/hf_varlen_e2e
 #   bash scripts/gpu_evidence.sh bundle    OUT_DIR   # everything under OUT_DIR into one
 #                                  OUT_DIR/bundle.tgz, the rest removed: the device tool returns
 #                                  only a few files per call (a call's results.json were lost so)
@@ -305,6 +318,52 @@ multigpu_extra)  # the one-GPU CUDA-graph step (graphs are one process only); DD
         --runs single-graphs,ddp-resume --processes "${HF_VARLEN_PROCESSES:-2}" \
         --model llama-1b --tokenizer "$data/qwen2" --dataset "$data/alpaca_5000.json" \
         --tokens-per-batch 16384 --steps 30 --out "$out/multigpu_extra" --timeout 180
+    ;;
+peers_install)  # each site once every wheel of its list is on this machine
+    for site in unsloth trl; do
+        target=/tmp/peers/$site
+        if [ -f "$target/.installed" ]; then
+            echo "$site: installed in $target"
+            continue
+        fi
+        files=() missing=()
+        for w in $(cat .gpu-wheels/peers/part*/"site_$site.txt" 2>/dev/null | sort -u); do
+            f=$(ls .gpu-wheels/peers/part*/"$w" 2>/dev/null | head -n 1)
+            if [ -n "$f" ]; then files+=("$f"); else missing+=("$w"); fi
+        done
+        if [ ${#files[@]} -eq 0 ] || [ ${#missing[@]} -gt 0 ]; then
+            echo "$site: not installed, ${#missing[@]} wheels not here (carry the other part of" \
+                ".gpu-wheels/peers): ${missing[*]:0:6}"
+            continue
+        fi
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target "$target" "${files[@]}" && touch "$target/.installed" &&
+            echo "$site: ${#files[@]} wheels installed in $target"
+    done
+    ;;
+peers)  # one batch size per call: our modes and the peers' of one kind, one invocation
+    kind=${HF_VARLEN_PEER_KIND:-full}
+    case "$kind" in
+    full | lora | qlora) modes=$(python3 -c "import sys; sys.path.insert(0, 'scripts')
+import bench_e2e; print(bench_e2e.PEER_${kind^^}_MODES)") ;;
+    *) echo "HF_VARLEN_PEER_KIND=$kind: full, lora or qlora" >&2; exit 2 ;;
+    esac
+    for site in unsloth trl; do  # a site not installed: its peers report "skipped: ... not installed"
+        var=HF_VARLEN_PEER_SITE_$(echo "$site" | tr 'a-z' 'A-Z')
+        [ -f "/tmp/peers/$site/.installed" ] && export "$var=/tmp/peers/$site"
+    done
+    model=${HF_VARLEN_MODEL:-llama-1b}
+    batches=${HF_VARLEN_BATCH_SIZES:-8}
+    layers=()
+    [ -n "${HF_VARLEN_LAYERS:-}" ] && layers=(--layers "$HF_VARLEN_LAYERS")
+    name="peers_${kind}_${model}_${HF_VARLEN_DATA:-alpaca}_B${batches//,/-}"
+    step "bench_e2e_$name" "${HF_VARLEN_STEP_TIMEOUT:-560}" python3 scripts/bench_e2e.py \
+        --out "$out/$name" --plots-dir "$out/$name" --model-cache /tmp/hf_varlen_e2e \
+        --tokenizer "$data/qwen2" --alpaca "$data/alpaca_5000.json" --lima "$data/lima.json" \
+        --models "$model" "${layers[@]}" --data "${HF_VARLEN_DATA:-alpaca}" \
+        --max-lengths "${HF_VARLEN_MAX_LENGTH:-1024}" --modes "${HF_VARLEN_PEER_MODES:-$modes}" \
+        --batch-sizes "$batches" --steps "${HF_VARLEN_STEPS:-20}" --warmup "${HF_VARLEN_WARMUP:-5}" \
+        --timeout 300
     ;;
 bundle)  # last in a call: one archive instead of the many files the stages leave
     (cd "$out" && tar czf /tmp/hf_varlen_bundle.tgz --exclude=bundle.tgz . &&

@@ -110,7 +110,15 @@ def test_every_mode_maps_to_a_valid_train_config():
         model="tiny-llama", tokenizer="bytes", dataset="builtin", max_length=64, batch_size=2,
         steps=2, lr=1e-3, precision="fp32", seed=0, run_dir="unused", peak_tflops=None,
     )  # fmt: skip
+    from hf_varlen.training import TrainConfig
+
+    four_bit = "load_in_4bit" in TrainConfig.__dataclass_fields__
     for mode in bench_e2e.MODES:
+        if bench_e2e.MODES[mode].get("peer"):
+            continue  # a peer is no hf-varlen train run (tests/test_bench_peers.py)
+        if bench_e2e.MODES[mode].get("load_in_4bit") and not four_bit:
+            assert bench_e2e.mode_unavailable(mode, "cuda").startswith("hf-varlen train has no")
+            continue
         for device in ("cpu", "cuda"):
             bench_e2e.train_config({**run, "mode": mode}, device).validate()
 
