@@ -53,7 +53,7 @@ from .data import (
     split_eval,
     tokenize,
 )
-from .graphs import GraphedStep, resolve_graphs
+from .graphs import GraphedStep, model_blockers, resolve_graphs
 from .launch import cpu_requested, distribution
 from .metrics import RunLogger, environment, format_summary, peak_flops, plot_runs, summarize
 from .model import (
@@ -268,6 +268,8 @@ class PackedTrainer:
         self.eval_kwargs = {"fused_loss": True} if fused_ce else {}
         if cfg.gradient_checkpointing:
             checkpointing_kwargs = {"use_reentrant": False}
+            if graphs_on:  # a capture cannot save / restore the RNG state (training/graphs.py)
+                checkpointing_kwargs["preserve_rng_state"] = False
             if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.25's name
                 model.activation_checkpointing_enable(checkpointing_kwargs)
             else:
@@ -276,6 +278,10 @@ class PackedTrainer:
                 )
         if cfg.lora:
             model = apply_lora(model, cfg)
+        if graphs_on and (blockers := model_blockers(model)):
+            if cfg.cuda_graphs == "on":
+                raise ValueError("--cuda-graphs on cannot be honoured: " + "; ".join(blockers))
+            graphs_on, self.graphs_note = False, "off (auto: " + "; ".join(blockers) + ")"
         self.params = sum(p.numel() for p in model.parameters())
         self.trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         self.flops_per_token = matmul_flops_per_token(model)
@@ -331,6 +337,7 @@ class PackedTrainer:
                 self._graph_loss,
                 device=self.device,
                 max_grad_norm=cfg.max_grad_norm or math.inf,
+                autocast_dtype=torch.bfloat16 if self.precision == "bf16-mixed" else None,
             )
             if graphs_on
             else None
