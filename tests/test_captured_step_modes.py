@@ -163,3 +163,47 @@ def test_an_open_autocast_region_is_refused():
             step.step([batch], n_items=4)
         with pytest.raises(RuntimeError, match="open autocast region"):
             step.forward_backward(batch, 4)
+
+
+def test_train_auto_picks_by_the_rule(tmp_path, monkeypatch):
+    """``hf-varlen train`` with no speed flags (--cuda-graphs auto, --static-shapes unset): eager
+    on the CPU, saying why; where the device reads as CUDA (simulated), captured with static
+    shapes below the crossover and eager without them above it, each saying why."""
+    cpu = dict(cuda_graphs="auto", static_shapes=None, max_steps=1)
+    _, _, summary, _, _ = _run(tiny_train_config(tmp_path, "cpu", **cpu))
+    text = summary["cuda_graphs"]["text"]
+    assert "eager (auto: CUDA graphs need a CUDA device" in text and not summary["static_shapes"]
+    blockers, cuda = graphs_mod.graph_blockers, torch.device("cuda")
+    monkeypatch.setattr(graphs_mod, "graph_blockers", lambda c, d, *a: blockers(c, cuda, *a))
+    monkeypatch.setattr(graphs_mod, "_capture_cuda", _strict_capture)
+    _, _, summary, _, _ = _run(tiny_train_config(tmp_path, "small", **cpu))
+    info = summary["cuda_graphs"]
+    assert info["on"] and "384 real tokens per micro-batch, below the 10,000" in info["text"]
+    assert summary["static_shapes"] is not None  # turned on with the captured step
+    big = dict(cpu, tokens_per_batch=12_288, builtin_examples=160)
+    _, _, summary, _, _ = _run(tiny_train_config(tmp_path, "big", **big))
+    info = summary["cuda_graphs"]
+    assert not info["on"] and "12,288 real tokens per micro-batch is above" in info["text"]
+    assert summary["static_shapes"] is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_gpu_bf16_mixed_checkpointing_captured_trains_like_eager(tmp_path, lora):
+    """The real capture on CUDA under bf16-mixed with gradient checkpointing (and LoRA): per-step
+    losses and gradient norms of --cuda-graphs on against the eager run by the numerics rule
+    (ref_lo: eager bf16-mixed; ref_hi: eager fp32)."""
+    common = dict(max_steps=8, gradient_checkpointing=True, fused_kernels="on", lora=lora, lora_r=4)
+    hi, *_ = _run(_cfg(tmp_path, "hi", precision="fp32", **common))
+    lo, *_ = _run(_cfg(tmp_path, "lo", precision="bf16-mixed", **common))
+    x, _, summary, _, _ = _run(
+        _cfg(tmp_path, "x", precision="bf16-mixed", cuda_graphs="on", **common)
+    )
+    info = summary["cuda_graphs"]
+    assert info["on"] and info["graphs"] == 1 + len(info["shapes"]), info
+    for key in ("loss", "grad_norm"):
+        for step in range(len(hi[key])):
+            assert_numerics(
+                f"step {step + 1} {key}", x[key][step], hi[key][step], lo[key][step],
+                dtype=torch.bfloat16,
+            )  # fmt: skip

@@ -71,6 +71,7 @@ from typing import Any
 import torch
 
 from ..coverage import check_now
+from .auto_mode import choose_step_mode
 from .config import TrainConfig
 
 WARMUP = 2  # eager passes before a capture: lazy inits, cuBLAS workspaces, autograd streams
@@ -85,10 +86,12 @@ def graph_blockers(
     reasons = []
     if device.type != "cuda":
         reasons.append(f"CUDA graphs need a CUDA device (this run uses {device.type})")
-    if not cfg.static_shapes:
+    if cfg.static_shapes is False:  # None: auto, turned on with the captured step
         reasons.append("the batches must have static shapes: add --static-shapes")
     if cfg.padded:
         reasons.append("--padded batches are not bucketed; graphs capture packed batches")
+    if cfg.pad_to_multiple_of is not None:
+        reasons.append("--pad-to-multiple-of pads to a multiple, not to the static buckets")
     if processes > 1:
         reasons.append(f"one process only (this run has {processes}): DDP's all-reduce is eager")
     if cfg.optim != "adamw":
@@ -142,17 +145,31 @@ def model_blockers(model: torch.nn.Module) -> list[str]:
 
 
 def resolve_graphs(
-    cfg: TrainConfig, device: torch.device, processes: int, precision: str
+    cfg: TrainConfig,
+    device: torch.device,
+    processes: int,
+    precision: str,
+    *,
+    real_tokens: float | None = None,
+    free_bytes: int | None = None,
+    need_bytes: int | None = None,
 ) -> tuple[bool, str]:
-    """(on, why) for ``--cuda-graphs``: ``on`` raises when it cannot be honoured."""
-    if cfg.cuda_graphs == "off":
-        return False, "off (--cuda-graphs off)"
-    blockers = graph_blockers(cfg, device, processes, precision)
-    if not blockers:
-        return True, f"on (--cuda-graphs {cfg.cuda_graphs})"
-    if cfg.cuda_graphs == "on":
-        raise ValueError("--cuda-graphs on cannot be honoured: " + "; ".join(blockers))
-    return False, "off (auto: " + "; ".join(blockers) + ")"
+    """(on, why) for ``--cuda-graphs`` by the one ``auto`` rule (``training/auto_mode.py``):
+    ``on`` raises when it cannot be honoured; ``real_tokens`` (real tokens per micro-batch),
+    ``free_bytes`` and ``need_bytes`` (CUDA memory) are given once known."""
+    mode = choose_step_mode(
+        cfg.cuda_graphs,
+        # graph_blockers judges this run's device and processes (one list of reasons, in order)
+        device="cuda",
+        real_tokens=real_tokens,
+        processes=1,
+        blockers=graph_blockers(cfg, device, processes, precision),
+        free_bytes=free_bytes,
+        need_bytes=need_bytes,
+        lora=cfg.lora,
+        flag="--cuda-graphs",
+    )
+    return mode.captured, mode.text
 
 
 def _capture_cuda(fn: Callable[[], None], pool) -> Callable[[], None]:

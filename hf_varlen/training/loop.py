@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from ..coverage import check_pending_offsets
 from ..packing import ExampleCountBatchSampler, TokenBudgetBatchSampler, rank_imbalance
 from . import checkpoint as ckpt
+from .auto_mode import capture_bytes
 from .compiling import ModelCompiler, check_compile
 from .config import TENSORBOARD_DIR, TrainConfig
 from .data import (
@@ -233,6 +234,17 @@ class PackedTrainer:
         self.rank_real_tokens = 0  # this rank's real tokens trained in this process (the summary)
         examples = tokenize(records, self.format, self.tokenizer, cfg)
         self.train_ex, self.eval_ex = split_eval(examples, cfg.eval_split, cfg.seed)
+        # The step mode by the auto rule, now that the real tokens per micro-batch are known;
+        # --static-shapes unset (auto) follows it. The memory check comes once the model is built.
+        graphs_on, self.graphs_note = resolve_graphs(
+            cfg,
+            self.device,
+            self.acc.num_processes,
+            self.precision,
+            real_tokens=self._real_tokens_per_micro_batch(),
+        )
+        if cfg.static_shapes is None:
+            cfg.static_shapes = graphs_on
         if cfg.eval_dataset:
             eval_records = load_records(cfg.eval_dataset, cfg, "--eval-dataset")
             fmt = detect_format(eval_records, cfg, cfg.eval_dataset)
@@ -281,7 +293,21 @@ class PackedTrainer:
         if graphs_on and (blockers := model_blockers(model)):
             if cfg.cuda_graphs == "on":
                 raise ValueError("--cuda-graphs on cannot be honoured: " + "; ".join(blockers))
-            graphs_on, self.graphs_note = False, "off (auto: " + "; ".join(blockers) + ")"
+            graphs_on, self.graphs_note = False, "eager (auto: " + "; ".join(blockers) + ")"
+        if graphs_on and self.device.type == "cuda":  # memory headroom before any capture
+            shape = getattr(model, "config", None)
+            hidden = getattr(shape, "hidden_size", None)
+            layers = getattr(shape, "num_hidden_layers", None)
+            if hidden and layers:
+                graphs_on, self.graphs_note = resolve_graphs(
+                    cfg,
+                    self.device,
+                    self.acc.num_processes,
+                    self.precision,
+                    real_tokens=self._real_tokens_per_micro_batch(),
+                    free_bytes=torch.cuda.mem_get_info(self.device)[0],
+                    need_bytes=capture_bytes(cfg.token_budget, hidden, layers),
+                )
         self.params = sum(p.numel() for p in model.parameters())
         self.trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         self.flops_per_token = matmul_flops_per_token(model)
@@ -344,6 +370,13 @@ class PackedTrainer:
         )
 
     # ------------------------------------------------------------------------------------------ #
+
+    def _real_tokens_per_micro_batch(self) -> float:
+        """What the auto rule reads: --batch-size x the mean example length, or the token budget
+        (packing fills a micro-batch to within a few percent of it)."""
+        if self.cfg.batch_size is not None and len(self.train_ex):
+            return self.cfg.batch_size * float(self.train_ex.lengths.mean())
+        return float(self.cfg.token_budget)
 
     def _sampler(self, examples: Examples, shuffle: bool):
         common = dict(
@@ -646,7 +679,7 @@ class PackedTrainer:
 
     def graphs_summary(self) -> dict[str, Any] | None:
         """--cuda-graphs in the summary: what was captured, or why auto left graphs off."""
-        if self.cfg.cuda_graphs == "off":
+        if self.cfg.cuda_graphs == "off":  # asked for by name: nothing to explain
             return None
         if self.graphed is None:
             return {"on": False, "text": self.graphs_note}
