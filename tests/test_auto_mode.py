@@ -29,7 +29,7 @@ def test_auto_stays_eager_and_says_why():
         "CUDA graphs need a CUDA device (this run uses cpu)": dict(device="cpu", real_tokens=100),
         "one process only (this run has 2)": dict(device="cuda", real_tokens=100, processes=2),
         "--padded batches": dict(device="cuda", real_tokens=100, blockers=["--padded batches"]),
-        "the captures need ~20.0 GiB (x1.25 margin) and 24.0 GiB is free": dict(
+        "capturing needs ~20.0 GiB (x1.25 margin) and 24.0 GiB is free": dict(
             device="cuda", real_tokens=100, free_bytes=24 * GIB, need_bytes=20 * GIB
         ),
     }

@@ -257,8 +257,15 @@ class CapturedStepMixin:
             cfg = getattr(unwrapped, "config", None)
             hidden = getattr(cfg, "hidden_size", None)
             layers = getattr(cfg, "num_hidden_layers", None)
-            if hidden and layers:
-                need = auto_mode.capture_bytes(self._buckets[-1], hidden, layers)
+            if hidden and layers:  # shapes of this first batch's size (the ladder top is a bound)
+                tokens = int(inputs["input_ids"].shape[-1])
+                # plus what the first step still allocates: gradients and two AdamW moments
+                state = sum(
+                    3 * p.numel() * p.element_size()
+                    for p in unwrapped.parameters()
+                    if p.requires_grad
+                )
+                need = auto_mode.capture_bytes(tokens, hidden, layers) + state
         lora = hasattr(unwrapped, "peft_config")
         try:
             mode = auto_mode.choose_step_mode(

@@ -20,7 +20,8 @@ model sizes.
 Memory: the captures of 8 batch shapes reserved 21.9 GiB at batch 32 on the 1B model (the graphs'
 private pool keeps each shape's activations). ``capture_bytes`` scales that measurement by
 tokens x hidden size x layers (``BYTES_PER_TOKEN_UNIT``: 21.9 GiB / (8 shapes x ~10K tokens x
-2048 x 16 layers) ~ 9 bytes) and ``choose_step_mode`` wants that much free, times
+2048 x 16 layers) ~ 9 bytes); the caller adds what else is still to be allocated (``hf-varlen
+train``: gradients and AdamW moments), and ``choose_step_mode`` wants that much free, times
 ``MEMORY_MARGIN``, before it captures.
 
 Explicit choices are honoured or refused with the reason, never replaced: ``on`` raises where a
@@ -94,7 +95,7 @@ def choose_step_mode(
     )
     if short:
         reasons.append(
-            f"the captures need ~{need_bytes / 2**30:.1f} GiB (x{MEMORY_MARGIN} margin) and "
+            f"capturing needs ~{need_bytes / 2**30:.1f} GiB (x{MEMORY_MARGIN} margin) and "
             f"{free_bytes / 2**30:.1f} GiB is free"
         )
     if requested == "on":

@@ -299,14 +299,22 @@ class PackedTrainer:
             hidden = getattr(shape, "hidden_size", None)
             layers = getattr(shape, "num_hidden_layers", None)
             if hidden and layers:
+                # Still to come besides the captures: each trained parameter's gradient and two
+                # AdamW moments, and the weights a loaded model has on the host until prepare().
+                later = sum(
+                    p.numel() * p.element_size() * (3 * p.requires_grad + (p.device.type != "cuda"))
+                    for p in model.parameters()
+                )
+                tokens = int(self._real_tokens_per_micro_batch())
                 graphs_on, self.graphs_note = resolve_graphs(
                     cfg,
                     self.device,
                     self.acc.num_processes,
                     self.precision,
-                    real_tokens=self._real_tokens_per_micro_batch(),
+                    real_tokens=tokens,
                     free_bytes=torch.cuda.mem_get_info(self.device)[0],
-                    need_bytes=capture_bytes(cfg.token_budget, hidden, layers),
+                    # shapes of the size of real micro-batches (the budget is only a bound)
+                    need_bytes=capture_bytes(tokens, hidden, layers) + later,
                 )
         self.params = sum(p.numel() for p in model.parameters())
         self.trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
