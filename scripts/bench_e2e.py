@@ -147,6 +147,8 @@ MODES: dict[str, dict] = {
         "cuda_graphs": "on",
         "compile": True,
     },
+    # No speed flags: `hf-varlen train`'s own auto rule picks the step (training/auto_mode.py).
+    "hf_varlen-auto": {**FULL, "cuda_graphs": "auto", "static_shapes": None},
     # The other mechanism: Inductor's cudagraph trees (forward + backward; the update eager).
     "hf_varlen-reduce-overhead": {
         **FULL,
@@ -257,6 +259,8 @@ def train_config(run: dict, device: str):
     from hf_varlen.training import TrainConfig
 
     spec = {k: v for k, v in MODES[run["mode"]].items() if k not in BENCH_ONLY}
+    # Each mode is what it names: the eager step unless it asks for graphs (the default is auto).
+    spec = {"cuda_graphs": "off", "static_shapes": False, **spec}
     if device != "cuda" and spec.get("fused_kernels") == "on":
         spec["fused_kernels"] = "auto"  # CPU smoke runs: the layer kernels are GPU kernels
     if device != "cuda" and spec.get("cuda_graphs") == "on":

@@ -8,6 +8,10 @@ used to crash ``varlen_packed``), on the same alpaca examples in the same order:
     varlen_kernelize   attn "varlen_packed" (auto backend) + hf_varlen.kernelize layer kernels
     varlen_fusedce     varlen_kernelize, trained by hf_varlen.integrations.trl.VarlenSFTTrainer:
                        the loss is hf_varlen's fused linear cross-entropy, not TRL's head
+                       (its eager step: cuda_graphs="off")
+    varlen_captured    varlen_fusedce with the captured step (cuda_graphs="on": forward +
+                       backward replayed from CUDA graphs per bucket shape)
+    varlen_auto        varlen_fusedce as a user gets it (cuda_graphs="auto", the default)
     varlen             attn "varlen_packed", no layer kernels
     sdpa               attn "sdpa": TRL's padding-free path on transformers' own attention
     liger              attn "sdpa" + ``use_liger_kernel=True`` (TRL keeps its own LM head)
@@ -41,6 +45,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT / "examples"))
 
 MODES = ("varlen_kernelize", "varlen_fusedce", "varlen", "sdpa", "liger")
+CAPTURED_MODES = {"varlen_captured": "on", "varlen_auto": "auto"}  # not in the default list
 STRATEGIES = ("padding_free", "bfd")
 
 
@@ -100,8 +105,8 @@ def run_cell(args) -> dict:
     model = model.cuda() if cuda else model
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     kernels = "off"
-    fused = args.mode == "varlen_fusedce"
-    if args.mode in ("varlen_kernelize", "varlen_fusedce"):
+    fused = args.mode == "varlen_fusedce" or args.mode in CAPTURED_MODES
+    if args.mode in ("varlen_kernelize", "varlen_fusedce", *CAPTURED_MODES):
         # varlen_fusedce: VarlenSFTTrainer installs the fused loss itself.
         report = hf_varlen.kernelize(model, cross_entropy=False, device="cuda" if cuda else "cpu")
         kernels = str(report)
@@ -135,6 +140,8 @@ def run_cell(args) -> dict:
         dataloader_num_workers=0,
         **extra,
     )
+    if fused:  # VarlenSFTTrainer: eager unless the mode names the captured step
+        trainer.configure_captured_step(CAPTURED_MODES.get(args.mode, "off"))
     collate = trainer.data_collator
 
     def counting(examples):
@@ -163,6 +170,7 @@ def run_cell(args) -> dict:
         "lm_head": _lm_head(trainer, model),
         "attn": model.config._attn_implementation,
         "kernels": kernels,
+        **({"step": trainer.captured_step_summary()} if fused else {}),
     }
 
 
@@ -252,7 +260,7 @@ def main(argv=None) -> int:
     p.add_argument("--dataset", required=True)
     p.add_argument("--preset", default="llama-1b")
     p.add_argument("--layers", type=int, default=None, help="cut the preset to N layers")
-    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--modes", default=",".join(MODES), help=f"also: {', '.join(CAPTURED_MODES)}")
     p.add_argument("--strategies", default=",".join(STRATEGIES))
     p.add_argument("--examples", type=int, default=2048)
     p.add_argument("--batch-size", type=int, default=32, help="examples per step (bfd: rows)")

@@ -87,7 +87,8 @@ def test_static_shapes_fixed_cu_seq_lens_and_dummy(tmp_path):
 
 def test_static_shapes_flag_and_refusals(tmp_path):
     assert parse_args(["--static-shapes"]).static_shapes is True
-    assert parse_args([]).static_shapes is False
+    assert parse_args([]).static_shapes is None  # unset: follows the captured step (auto)
+    assert parse_args(["--no-static-shapes"]).static_shapes is False
     with pytest.raises(ValueError, match="--static-shapes .*--padded"):
         _tiny(tmp_path, "p", static_shapes=True, padded=True).validate()
     with pytest.raises(ValueError, match="--static-shapes .*--pad-to-multiple-of"):

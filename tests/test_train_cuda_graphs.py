@@ -197,13 +197,20 @@ def test_a_new_shape_late_in_a_step_keeps_the_accumulated_micro_batches():
 def test_which_runs_can_capture(tmp_path):
     cuda = torch.device("cuda")
     assert graph_blockers(_tiny(tmp_path, "ok"), cuda, 1, "bf16") == []
+    # Captured since issue 46: bf16-mixed and checkpointing (tests/test_captured_step_modes.py).
+    ok = _tiny(tmp_path, "ok", gradient_checkpointing=True, lora=True)
+    assert graph_blockers(ok, cuda, 1, "bf16-mixed") == []
     cases = {
         "CUDA device": (dict(), torch.device("cpu"), 1, "fp32"),
         "--static-shapes": (dict(static_shapes=False), cuda, 1, "bf16"),
         "one process": (dict(), cuda, 2, "bf16"),
         "--optim sgd": (dict(optim="sgd"), cuda, 1, "bf16"),
-        "--gradient-checkpointing": (dict(gradient_checkpointing=True), cuda, 1, "bf16"),
-        "bf16-mixed": (dict(), cuda, 1, "bf16-mixed"),
+        "--lora-dropout": (
+            dict(gradient_checkpointing=True, lora=True, lora_dropout=0.1),
+            cuda,
+            1,
+            "bf16",
+        ),
         "reduce-overhead": (
             dict(compile=True, compile_mode="reduce-overhead"),
             cuda,

@@ -65,6 +65,7 @@ import torch
 from trl import SFTTrainer
 
 from ..metadata import checkpointed_side_effects, mark_dynamic_pack, symbolic_batch_ints
+from .captured_trainer import CapturedStepMixin
 from .loss import install_fused_cross_entropy, is_fused_cross_entropy_installed
 from .trainer_callbacks import OffsetsCheckCallback
 
@@ -80,7 +81,7 @@ def _parallel_flags(accelerator) -> tuple[bool, bool]:
     return sp, bool(getattr(pc, "cp_enabled", False))
 
 
-class VarlenSFTTrainer(SFTTrainer):
+class VarlenSFTTrainer(CapturedStepMixin, SFTTrainer):
     """``trl.SFTTrainer`` whose training loss is hf_varlen's fused linear cross-entropy.
 
     Takes every ``SFTTrainer`` argument, plus:
@@ -90,12 +91,22 @@ class VarlenSFTTrainer(SFTTrainer):
             ``drop_ignored_tokens``). None: the defaults, or, when the model already has the fused
             loss installed (``hf_varlen.kernelize`` installs it), the options it was installed
             with.
+        cuda_graphs: "auto" (default), "on" or "off": the captured step
+            (``hf_varlen.integrations.captured_trainer``: padding-free batches padded to a bucket,
+            forward + backward replayed per bucket shape; ``num_tokens`` and the loss as eager).
+        max_tokens_per_batch: the top of the bucket ladder (default: per-device batch size x
+            ``max_length``, the longest padding-free row TRL's collator builds).
 
     See the module docstring for what is kept from TRL, what is not logged and what is refused.
     """
 
     def __init__(
-        self, *args: Any, fused_cross_entropy_kwargs: dict[str, Any] | None = None, **kwargs: Any
+        self,
+        *args: Any,
+        fused_cross_entropy_kwargs: dict[str, Any] | None = None,
+        cuda_graphs: str = "auto",
+        max_tokens_per_batch: int | None = None,
+        **kwargs: Any,
     ):
         if fused_cross_entropy_kwargs is not None and not isinstance(
             fused_cross_entropy_kwargs, dict
@@ -118,6 +129,13 @@ class VarlenSFTTrainer(SFTTrainer):
                     f"VarlenSFTTrainer: SFTTrainer has no {name!r} (a TRL release other than 1.16); "
                     "the num_tokens metric cannot be kept"
                 )
+        self.configure_captured_step(cuda_graphs, max_tokens_per_batch)
+
+    def _default_max_tokens(self) -> int:
+        length = getattr(self.args, "max_length", None)
+        if isinstance(length, int) and length > 0:
+            return self.args.per_device_train_batch_size * length
+        return super()._default_max_tokens()
 
     def _check_supported(self) -> None:
         args = self.args
@@ -151,6 +169,23 @@ class VarlenSFTTrainer(SFTTrainer):
         padding-free: B = 1 with ``position_ids`` / ``cu_seq_lens_*``); ``num_items_in_batch``
         the label tokens of the accumulated batch (Trainer's count), or None."""
         mode = "train" if self.model.training else "eval"
+        loss, outputs = self._fused_loss(model, inputs, num_items_in_batch, return_outputs)
+        if mode == "train":
+            self._total_train_tokens += self._count_tokens(inputs) // self._tp_size
+        self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
+        return (loss, outputs) if return_outputs else loss
+
+    def _captured_loss(self, model, inputs, n_items):
+        """The captured step's loss: ``compute_loss``'s, without the host-side token count
+        (done from the unpadded batch after the replay: ``_after_captured_micro_batch``)."""
+        return self._fused_loss(model, {**inputs, "use_cache": False}, n_items, False)[0]
+
+    def _after_captured_micro_batch(self, inputs) -> None:
+        self._total_train_tokens += self._count_tokens(inputs) // self._tp_size
+        self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
+
+    def _fused_loss(self, model, inputs, num_items_in_batch, return_outputs):
+        """(loss, outputs) of one micro-batch; no host work."""
         inputs["use_cache"] = False
         if "labels" not in inputs:
             raise ValueError(
@@ -172,10 +207,7 @@ class VarlenSFTTrainer(SFTTrainer):
         if self.args.average_tokens_across_devices and num_items_in_batch is not None:
             # As TRL and Trainer do: num_items_in_batch counts every rank's tokens, DDP averages.
             loss = loss * (self.accelerator.num_processes // self.get_tp_size())
-        if mode == "train":
-            self._total_train_tokens += self._count_tokens(inputs) // self._tp_size
-        self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
-        return (loss, outputs) if return_outputs else loss
+        return loss, outputs
 
     def _count_tokens(self, inputs) -> int:
         """TRL's num_tokens of one micro-batch: attention-mask tokens, or the packed row length

@@ -104,15 +104,16 @@ class TrainConfig:
     pad_to_multiple_of: int | None = _opt(
         None, "pad each packed micro-batch to a multiple of this many tokens (a separate segment)"
     )
-    static_shapes: bool = _opt(
-        False,
+    static_shapes: bool | None = _opt(
+        None,
         "packed runs: pad every micro-batch to a rung of hf_varlen.bucket_ladder(token budget) "
         "(the budget is --tokens-per-batch, or --batch-size x --max-length) and give cu_seq_lens "
         "a fixed length (the batch sampler's max_documents + 2; zero-length documents fill it), "
         "so --compile and CUDA graphs see a few static shapes. The padding is its own segment with "
         "no label: loss, tokens/s, MFU and packing efficiency count real tokens only; the summary "
         "gives the distinct shapes and the padding share. Not with --padded or "
-        "--pad-to-multiple-of",
+        "--pad-to-multiple-of. Unset (auto): on exactly when the captured step runs "
+        "(--cuda-graphs)",
     )
     # Baseline and attention.
     padded: bool = _opt(
@@ -160,11 +161,13 @@ class TrainConfig:
         "max-autotune; max-autotune-no-cudagraphs; lite",
     )
     cuda_graphs: str = _opt(
-        "off",
+        "auto",
         "capture the training step in CUDA graphs (one per batch shape for forward + backward, "
         "one for clip + fused AdamW) and replay it: on (raises when the run cannot: it needs "
-        "CUDA, --static-shapes, one process, adamw, no --gradient-checkpointing, no bf16-mixed); "
-        "auto (on where possible, else off with the reason in the summary); off",
+        "CUDA, static shapes, one process, adamw, no dropout under --gradient-checkpointing); "
+        "auto (default: captured on CUDA below ~10K real tokens per micro-batch, where the "
+        "eager step waits on the host, with enough free memory; else eager, the reason in the "
+        "summary: hf_varlen/training/auto_mode.py); off",
         choices=TOGGLES,
     )
     # LoRA.
@@ -477,7 +480,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         kwargs: dict[str, Any] = {"dest": f.name, "default": f.default}
         if "choices" in f.metadata:
             kwargs["choices"] = f.metadata["choices"]
-        if hint == "bool":
+        if hint in ("bool", "bool | None"):  # None: unset (auto)
             parser.add_argument(
                 flag, action=argparse.BooleanOptionalAction, help=help_text, **kwargs
             )

@@ -29,10 +29,34 @@ long-documents rule moves the step off our kernel: ``backends.registry.long_docu
 ``num_items_in_batch`` is a 0-d tensor filled per step.
 
 Requirements (``graph_blockers``; ``--cuda-graphs on`` raises with them, ``auto`` turns graphs
-off and says why): CUDA, ``--static-shapes``, one process, AdamW, no gradient checkpointing (its
-recompute saves and restores the RNG state on the host), not ``--padded``, not ``bf16-mixed``
-(autocast's weight-cast cache is not capture-safe), not ``--compile-mode reduce-overhead`` (which
-captures with Inductor's own graph trees).
+off and says why): CUDA, ``--static-shapes``, one process, AdamW, not ``--padded``, not
+``--compile-mode reduce-overhead`` (which captures with Inductor's own graph trees); with
+gradient checkpointing, a forward that draws no random numbers (``model_blockers``).
+
+Mixed precision (``bf16-mixed``: fp32 master weights, bf16 autocast). Autocast keeps a cache of
+the bf16 copy of each fp32 weight for the life of the outermost autocast region (emptied when the
+region is left). Inside a capture the cast is a recorded kernel like any other: each replay casts
+the weights as they are now, after the last update. What breaks is a region left open across the
+capture boundary: the warm-up's casts, cached before the capture, would be read by every replay
+(the weights as they were before the first update). So the captured body opens the outermost
+autocast region itself, with ``cache_enabled=False``, around the forward only (the backward runs
+outside autocast, as in the eager step), and ``step`` refuses to run inside an autocast region that
+is already open. Chosen over keeping the bf16 copies as static buffers refreshed by the update
+graph: that needs the casts taken out of the model's own forward (a patch), and a second copy of
+every weight held for the whole run; without the cache, a weight used twice in one forward (tied
+embeddings and head) is cast twice, a few microseconds of device time.
+
+Gradient checkpointing. ``torch.utils.checkpoint`` stashes the RNG state in the forward and
+restores it before the recompute (``preserve_rng_state``), so that dropout masks repeat. Reading or
+setting the CUDA generator's state while a graph is being captured is not allowed (the graph owns
+the generator's offsets), and a forward without randomness has nothing to repeat: captured steps
+need checkpointing with ``preserve_rng_state=False`` and no active dropout (``model_blockers``
+says which module is in the way; ``hf-varlen train`` turns it on itself). The recompute is
+otherwise ordinary device work inside the backward, captured like the rest.
+
+LoRA (peft). Only the parameters that require a gradient (the adapters) get static gradient
+buffers and enter the clip and the update; the frozen base weights are read by the graphs as
+they are.
 
 Shape legend: T the token count of a bucket, D + 2 the fixed length of ``cu_seq_lens``.
 """
@@ -47,6 +71,7 @@ from typing import Any
 import torch
 
 from ..coverage import check_now
+from .auto_mode import choose_step_mode
 from .config import TrainConfig
 
 WARMUP = 2  # eager passes before a capture: lazy inits, cuBLAS workspaces, autograd streams
@@ -61,35 +86,90 @@ def graph_blockers(
     reasons = []
     if device.type != "cuda":
         reasons.append(f"CUDA graphs need a CUDA device (this run uses {device.type})")
-    if not cfg.static_shapes:
+    if cfg.static_shapes is False:  # None: auto, turned on with the captured step
         reasons.append("the batches must have static shapes: add --static-shapes")
     if cfg.padded:
         reasons.append("--padded batches are not bucketed; graphs capture packed batches")
+    if cfg.pad_to_multiple_of is not None:
+        reasons.append("--pad-to-multiple-of pads to a multiple, not to the static buckets")
     if processes > 1:
         reasons.append(f"one process only (this run has {processes}): DDP's all-reduce is eager")
     if cfg.optim != "adamw":
         reasons.append(f"--optim {cfg.optim}: the captured update is fused AdamW")
-    if cfg.gradient_checkpointing:
-        reasons.append("--gradient-checkpointing restores the RNG state on the host in backward")
-    if precision == "bf16-mixed":
-        reasons.append("--precision bf16-mixed: autocast's weight-cast cache is not capture-safe")
+    if cfg.gradient_checkpointing and cfg.lora and cfg.lora_dropout > 0:
+        reasons.append(
+            f"--lora-dropout {cfg.lora_dropout} with --gradient-checkpointing: the recompute must "
+            "redraw the same masks, which restores the RNG state on the host (use --lora-dropout 0)"
+        )
     if cfg.compile and cfg.compile_mode == "reduce-overhead":
         reasons.append("--compile-mode reduce-overhead captures with Inductor's own CUDA graphs")
     return reasons
 
 
+def model_blockers(model: torch.nn.Module) -> list[str]:
+    """Why this built model cannot be captured (empty: it can): with gradient checkpointing on, a
+    checkpointed layer that restores the RNG state (``preserve_rng_state`` not False) or a dropout
+    that draws random numbers (see the module docstring)."""
+    checkpointed = [
+        (name, m)
+        for name, m in model.named_modules()
+        if getattr(m, "gradient_checkpointing", False) is True
+        and getattr(m, "_gradient_checkpointing_func", None) is not None
+    ]
+    if not checkpointed:
+        return []
+    reasons = []
+    name, layer = checkpointed[0]
+    keywords = getattr(layer._gradient_checkpointing_func, "keywords", {})
+    if keywords.get("preserve_rng_state", True) is not False:
+        reasons.append(
+            f"gradient checkpointing of {name or 'the model'} restores the RNG state on the host "
+            "in backward: enable it with preserve_rng_state=False (gradient_checkpointing_kwargs)"
+        )
+    dropouts = [
+        f"{n} (p={m.p})"
+        for n, m in model.named_modules()
+        if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0
+    ]
+    config = getattr(model, "config", None)
+    for key in ("attention_dropout", "hidden_dropout", "attn_pdrop", "resid_pdrop"):
+        value = getattr(config, key, 0.0)
+        if isinstance(value, float | int) and value > 0:
+            dropouts.append(f"config.{key}={value}")
+    if dropouts:
+        reasons.append(
+            "gradient checkpointing with dropout (" + ", ".join(dropouts[:3]) + "): the recompute "
+            "must redraw the same masks; set the dropout to 0 or turn checkpointing off"
+        )
+    return reasons
+
+
 def resolve_graphs(
-    cfg: TrainConfig, device: torch.device, processes: int, precision: str
+    cfg: TrainConfig,
+    device: torch.device,
+    processes: int,
+    precision: str,
+    *,
+    real_tokens: float | None = None,
+    free_bytes: int | None = None,
+    need_bytes: int | None = None,
 ) -> tuple[bool, str]:
-    """(on, why) for ``--cuda-graphs``: ``on`` raises when it cannot be honoured."""
-    if cfg.cuda_graphs == "off":
-        return False, "off (--cuda-graphs off)"
-    blockers = graph_blockers(cfg, device, processes, precision)
-    if not blockers:
-        return True, f"on (--cuda-graphs {cfg.cuda_graphs})"
-    if cfg.cuda_graphs == "on":
-        raise ValueError("--cuda-graphs on cannot be honoured: " + "; ".join(blockers))
-    return False, "off (auto: " + "; ".join(blockers) + ")"
+    """(on, why) for ``--cuda-graphs`` by the one ``auto`` rule (``training/auto_mode.py``):
+    ``on`` raises when it cannot be honoured; ``real_tokens`` (real tokens per micro-batch),
+    ``free_bytes`` and ``need_bytes`` (CUDA memory) are given once known."""
+    mode = choose_step_mode(
+        cfg.cuda_graphs,
+        # graph_blockers judges this run's device and processes (one list of reasons, in order)
+        device="cuda",
+        real_tokens=real_tokens,
+        processes=1,
+        blockers=graph_blockers(cfg, device, processes, precision),
+        free_bytes=free_bytes,
+        need_bytes=need_bytes,
+        lora=cfg.lora,
+        flag="--cuda-graphs",
+    )
+    return mode.captured, mode.text
 
 
 def _capture_cuda(fn: Callable[[], None], pool) -> Callable[[], None]:
@@ -107,6 +187,13 @@ class GraphedStep:
     accelerate's wrapper around one (its ``step`` is what an LR scheduler watches). ``loss_fn(model,
     inputs, n_items) -> loss``: the eager loss of one micro-batch. ``max_grad_norm``: the clip (inf:
     none). ``capture``: captures a function and returns its replay (CUDA by default).
+    ``autocast_dtype``: mixed precision (bf16 over fp32 weights): the captured forward runs in
+    its own autocast region (see the module docstring); None: no autocast.
+
+    Two ways to drive it: ``step`` (the whole optimizer step, update graph included: ``hf-varlen
+    train``), or ``forward_backward`` once per micro-batch, the optimizer step left to the caller
+    (a ``transformers.Trainer``, whose loop clips and steps itself): gradients accumulate into the
+    static buffers, which are re-attached and zeroed when the caller has reset ``.grad``.
 
     What it changes of yours, on the first ``step``: every param group of the optimizer becomes
     fused, capturable, non-foreach, with its learning rate a 0-d device tensor (an LR scheduler
@@ -123,12 +210,15 @@ class GraphedStep:
         device: torch.device,
         max_grad_norm: float,
         capture: Callable[[Callable[[], None], Any], Callable[[], None]] | None = None,
+        autocast_dtype: torch.dtype | None = None,
+        update: bool = True,
     ):
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
-        if not isinstance(inner, torch.optim.AdamW):
+        if update and not isinstance(inner, torch.optim.AdamW):
             raise TypeError(f"optimizer: expected torch.optim.AdamW, got {type(inner).__name__}")
         self.model, self.optimizer, self.inner, self.loss_fn = model, optimizer, inner, loss_fn
         self.device, self.max_grad_norm = device, max_grad_norm
+        self.autocast_dtype = autocast_dtype
         self._capture = capture or _capture_cuda
         self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -140,6 +230,9 @@ class GraphedStep:
         self.n_items = torch.ones((), **f32)
         self.loss_sum = torch.zeros((), **f32)
         self.out = torch.zeros(3, **f32)  # loss, grad norm, skipped (1.0) of the last update
+        self.last_loss = torch.zeros((), **f32)  # the last replayed micro-batch's loss
+        self.grads: list[torch.Tensor] | None = None  # the static gradient buffers
+        self.accumulating = False  # gradients of replays not yet consumed by an update
 
     # -- setup ---------------------------------------------------------------------------------
 
@@ -153,9 +246,7 @@ class GraphedStep:
             group["lr"] = torch.tensor(float(lr), dtype=torch.float32, device=self.device)
             group["fused"] = True
             group["foreach"] = False
-        for p in self.params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
+        self._attach_grads()
         opt.found_inf = torch.ones((), dtype=torch.float32, device=self.device)
         self.optimizer.step()  # allocates exp_avg / exp_avg_sq / step; the update is skipped
         for group in opt.param_groups:  # after the eager step (capturable warns outside a capture)
@@ -172,8 +263,7 @@ class GraphedStep:
         self.out[0].copy_(self.loss_sum)
         self.out[1].copy_(norm)
         self.out[2].copy_(bad.float())
-        for g in grads:
-            g.zero_()
+        torch._foreach_zero_(grads)
         self.loss_sum.zero_()
 
     def _ensure_update(self) -> None:
@@ -184,6 +274,33 @@ class GraphedStep:
         self.update = self._capture(self._update_body, self.pool)
         self.capture_s += time.perf_counter() - t0
         self.graph_bytes += self._reserved() - reserved
+
+    def _attach_grads(self) -> None:
+        """Make the static gradient buffers the parameters' ``.grad`` again; zero them when the
+        caller had reset any (``zero_grad(set_to_none=True)``): a new accumulation starts."""
+        if self.grads is None:
+            self.grads = [
+                p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params
+            ]
+            dirty = True
+        else:
+            dirty = False
+        for p, g in zip(self.params, self.grads, strict=True):
+            if p.grad is not g:
+                p.grad = g
+                dirty = True
+        if dirty:
+            torch._foreach_zero_(self.grads)
+            self.loss_sum.zero_()
+            self.accumulating = False
+
+    def _check_no_autocast(self) -> None:
+        if torch.is_autocast_enabled(self.device.type):
+            raise RuntimeError(
+                "captured step: called inside an open autocast region, whose weight-cast cache "
+                "would hand the warm-up's bf16 copies of the weights to every replay; call it "
+                "outside autocast and pass autocast_dtype (the captured forward opens its own)"
+            )
 
     def _reserved(self) -> int:
         return torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
@@ -200,6 +317,7 @@ class GraphedStep:
         ``n_items`` the label tokens of the whole step. Returns loss, grad_norm and skipped.
         ``while_running``: host work to do while the GPU runs the replays (called after the last
         launch, before the step's one read-back)."""
+        self._check_no_autocast()
         self._ensure_update()
         # New shapes first: a capture's warm-up zeroes the gradients, which must not drop the
         # accumulation of micro-batches already replayed in this step.
@@ -211,8 +329,28 @@ class GraphedStep:
         self.update()
         if while_running is not None:
             while_running()
+        self.accumulating = False  # the update graph zeroed the gradients
         loss, norm, skipped = self.out.tolist()  # the step's one read-back, after the update
         return {"loss": loss, "grad_norm": norm, "skipped": skipped > 0.5}
+
+    def forward_backward(
+        self, inputs: dict[str, Any], n_items: torch.Tensor | int | float
+    ) -> torch.Tensor:
+        """Replay one micro-batch's forward + backward (captured the first time its shape is
+        seen), its gradients added into the static ``.grad`` buffers; ``n_items`` the label tokens
+        the loss is divided by (a device tensor stays on the device). Returns the micro-batch's
+        loss (a new 0-d tensor). The optimizer step is the caller's."""
+        self._check_no_autocast()
+        self._attach_grads()
+        micro = self._graph_for(inputs)
+        if isinstance(n_items, torch.Tensor):
+            self.n_items.copy_(n_items.reshape(()), non_blocking=True)
+        else:
+            self.n_items.fill_(float(n_items))
+        micro.load(inputs)
+        micro.replay()
+        self.accumulating = True
+        return self.last_loss.clone()
 
     def _graph_for(self, inputs: dict[str, Any]) -> _MicroGraph:
         key = _shape_key(inputs)
@@ -276,6 +414,10 @@ class _MicroGraph:
         # The ints are part of the graph: the bucket's token count bounds every document in it.
         self.ints = {k: self.tokens for k in _INT_KEYS if k in inputs}
         self._check(inputs)
+        # The warm-ups run for real: their gradients and loss are undone before capturing (zeroed,
+        # or restored when micro-batches of this accumulation were replayed before this shape).
+        grads = [p.grad for p in owner.params if p.grad is not None]
+        saved = [t.clone() for t in (*grads, owner.loss_sum)] if owner.accumulating else None
         dev = owner.device
         side = torch.cuda.Stream(dev) if dev.type == "cuda" else None
         if side is not None:
@@ -285,24 +427,35 @@ class _MicroGraph:
                 self._body()
         if side is not None:
             torch.cuda.current_stream(dev).wait_stream(side)
-        # The warm-ups ran for real: undo their gradients and loss before capturing.
-        for p in owner.params:
-            if p.grad is not None:
-                p.grad.zero_()
-        owner.loss_sum.zero_()
+        if saved is None:
+            torch._foreach_zero_([*grads, owner.loss_sum])
+        else:
+            torch._foreach_copy_([*grads, owner.loss_sum], saved)
         self.replay = owner._capture(self._body, owner.pool)
 
     def _body(self) -> None:
         owner = self.owner
-        loss = owner.loss_fn(owner.model, {**self.static, **self.ints}, owner.n_items)
+        # The forward's autocast region opens and closes inside the captured function (module
+        # docstring); the backward runs outside it, as the eager step's does.
+        dtype = owner.autocast_dtype
+        with (
+            torch.autocast(owner.device.type, dtype=dtype, cache_enabled=False)
+            if dtype is not None
+            else contextlib.nullcontext()
+        ):
+            loss = owner.loss_fn(owner.model, {**self.static, **self.ints}, owner.n_items)
         loss.backward()
         owner.loss_sum.add_(loss.detach())
+        owner.last_loss.copy_(loss.detach())
 
     def _check(self, inputs: dict[str, Any]) -> None:
-        """The offsets check of the eager path, on the collated CPU tensors (no device sync)."""
+        """The offsets check of the eager path, on the collated CPU tensors (no device sync).
+        Batches already on the device (a Trainer's dataloader moves them) are not read back:
+        their collator built the offsets on the host (``PackingCollator`` checks them)."""
         cu_q, cu_k = inputs.get("cu_seq_lens_q"), inputs.get("cu_seq_lens_k")
-        if isinstance(cu_q, torch.Tensor) and isinstance(cu_k, torch.Tensor):
-            check_now(cu_q.cpu(), cu_k.cpu(), self.tokens, self.tokens, self.tokens, self.tokens)
+        on_host = all(isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in (cu_q, cu_k))
+        if on_host:
+            check_now(cu_q, cu_k, self.tokens, self.tokens, self.tokens, self.tokens)
 
     def load(self, inputs: dict[str, Any]) -> None:
         """Copy a new batch of this shape into the static buffers (asynchronous H2D)."""

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from ..coverage import check_pending_offsets
 from ..packing import ExampleCountBatchSampler, TokenBudgetBatchSampler, rank_imbalance
 from . import checkpoint as ckpt
+from .auto_mode import capture_bytes
 from .compiling import ModelCompiler, check_compile
 from .config import TENSORBOARD_DIR, TrainConfig
 from .data import (
@@ -53,7 +54,7 @@ from .data import (
     split_eval,
     tokenize,
 )
-from .graphs import GraphedStep, resolve_graphs
+from .graphs import GraphedStep, model_blockers, resolve_graphs
 from .launch import cpu_requested, distribution
 from .metrics import RunLogger, environment, format_summary, peak_flops, plot_runs, summarize
 from .model import (
@@ -233,6 +234,17 @@ class PackedTrainer:
         self.rank_real_tokens = 0  # this rank's real tokens trained in this process (the summary)
         examples = tokenize(records, self.format, self.tokenizer, cfg)
         self.train_ex, self.eval_ex = split_eval(examples, cfg.eval_split, cfg.seed)
+        # The step mode by the auto rule, now that the real tokens per micro-batch are known;
+        # --static-shapes unset (auto) follows it. The memory check comes once the model is built.
+        graphs_on, self.graphs_note = resolve_graphs(
+            cfg,
+            self.device,
+            self.acc.num_processes,
+            self.precision,
+            real_tokens=self._real_tokens_per_micro_batch(),
+        )
+        if cfg.static_shapes is None:
+            cfg.static_shapes = graphs_on
         if cfg.eval_dataset:
             eval_records = load_records(cfg.eval_dataset, cfg, "--eval-dataset")
             fmt = detect_format(eval_records, cfg, cfg.eval_dataset)
@@ -268,6 +280,8 @@ class PackedTrainer:
         self.eval_kwargs = {"fused_loss": True} if fused_ce else {}
         if cfg.gradient_checkpointing:
             checkpointing_kwargs = {"use_reentrant": False}
+            if graphs_on:  # a capture cannot save / restore the RNG state (training/graphs.py)
+                checkpointing_kwargs["preserve_rng_state"] = False
             if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.25's name
                 model.activation_checkpointing_enable(checkpointing_kwargs)
             else:
@@ -276,6 +290,32 @@ class PackedTrainer:
                 )
         if cfg.lora:
             model = apply_lora(model, cfg)
+        if graphs_on and (blockers := model_blockers(model)):
+            if cfg.cuda_graphs == "on":
+                raise ValueError("--cuda-graphs on cannot be honoured: " + "; ".join(blockers))
+            graphs_on, self.graphs_note = False, "eager (auto: " + "; ".join(blockers) + ")"
+        if graphs_on and self.device.type == "cuda":  # memory headroom before any capture
+            shape = getattr(model, "config", None)
+            hidden = getattr(shape, "hidden_size", None)
+            layers = getattr(shape, "num_hidden_layers", None)
+            if hidden and layers:
+                # Still to come besides the captures: each trained parameter's gradient and two
+                # AdamW moments, and the weights a loaded model has on the host until prepare().
+                later = sum(
+                    p.numel() * p.element_size() * (3 * p.requires_grad + (p.device.type != "cuda"))
+                    for p in model.parameters()
+                )
+                tokens = int(self._real_tokens_per_micro_batch())
+                graphs_on, self.graphs_note = resolve_graphs(
+                    cfg,
+                    self.device,
+                    self.acc.num_processes,
+                    self.precision,
+                    real_tokens=tokens,
+                    free_bytes=torch.cuda.mem_get_info(self.device)[0],
+                    # shapes of the size of real micro-batches (the budget is only a bound)
+                    need_bytes=capture_bytes(tokens, hidden, layers) + later,
+                )
         self.params = sum(p.numel() for p in model.parameters())
         self.trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         self.flops_per_token = matmul_flops_per_token(model)
@@ -331,12 +371,20 @@ class PackedTrainer:
                 self._graph_loss,
                 device=self.device,
                 max_grad_norm=cfg.max_grad_norm or math.inf,
+                autocast_dtype=torch.bfloat16 if self.precision == "bf16-mixed" else None,
             )
             if graphs_on
             else None
         )
 
     # ------------------------------------------------------------------------------------------ #
+
+    def _real_tokens_per_micro_batch(self) -> float:
+        """What the auto rule reads: --batch-size x the mean example length, or the token budget
+        (packing fills a micro-batch to within a few percent of it)."""
+        if self.cfg.batch_size is not None and len(self.train_ex):
+            return self.cfg.batch_size * float(self.train_ex.lengths.mean())
+        return float(self.cfg.token_budget)
 
     def _sampler(self, examples: Examples, shuffle: bool):
         common = dict(
@@ -639,7 +687,7 @@ class PackedTrainer:
 
     def graphs_summary(self) -> dict[str, Any] | None:
         """--cuda-graphs in the summary: what was captured, or why auto left graphs off."""
-        if self.cfg.cuda_graphs == "off":
+        if self.cfg.cuda_graphs == "off":  # asked for by name: nothing to explain
             return None
         if self.graphed is None:
             return {"on": False, "text": self.graphs_note}
