@@ -262,10 +262,6 @@ class PackedTrainer:
         scope_backend(model, cfg)
         if model_hook is not None:
             model_hook(model)
-        self.kernels, fused_ce, self.loss_impl = apply_kernels(model, cfg, self.device)
-        # The fused CE skips the logits in training; eval asks for it with the wrapped forward's
-        # public per-call keyword (hf_varlen.integrations.loss).
-        self.eval_kwargs = {"fused_loss": True} if fused_ce else {}
         if cfg.gradient_checkpointing:
             checkpointing_kwargs = {"use_reentrant": False}
             if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.25's name
@@ -276,6 +272,12 @@ class PackedTrainer:
                 )
         if cfg.lora:
             model = apply_lora(model, cfg)
+        # Kernels after LoRA: kernelize sees the peft model (its GLU layers call the LoRA-wrapped
+        # projections, so the adapters keep running).
+        self.kernels, fused_ce, self.loss_impl = apply_kernels(model, cfg, self.device)
+        # The fused CE skips the logits in training; eval asks for it with the wrapped forward's
+        # public per-call keyword (hf_varlen.integrations.loss).
+        self.eval_kwargs = {"fused_loss": True} if fused_ce else {}
         self.params = sum(p.numel() for p in model.parameters())
         self.trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         self.flops_per_token = matmul_flops_per_token(model)
