@@ -63,6 +63,7 @@ from .model import (
     attn_implementation,
     build_model,
     check_backend,
+    check_load_in_4bit,
     load_tokenizer,
     matmul_flops_per_token,
     pad_id,
@@ -210,6 +211,7 @@ class PackedTrainer:
         graphs_on, self.graphs_note = resolve_graphs(
             cfg, self.device, self.acc.num_processes, self.precision
         )
+        check_load_in_4bit(cfg, self.device, self.acc.num_processes)
         set_seed(cfg.seed)
         # The checkpoint and the output folder are checked before anything is loaded.
         self.resumed_from = ckpt.resolve_resume(
