@@ -30,17 +30,19 @@ from hf_varlen.reference.lora import lora_linear_reference
 from hf_varlen.testing import assert_numerics
 
 peft = pytest.importorskip("peft")
-pytestmark = pytest.mark.skipif(
-    torch.cuda.is_available(), reason="CPU test file (Triton under the interpreter)"
+# The peft-model tests run hf_varlen's Triton layers on CPU tensors (interpreter only)
+cpu_only = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="CPU model test (Triton under the interpreter)"
 )
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 N_LEAD, K, OUT, R = (3, 7), 24, 20, 4
 
 
-def _inputs(dtype, bias=True, base_trains=False, seed=0):
+def _inputs(dtype, bias=True, base_trains=False, seed=0, device="cpu"):
     g = torch.Generator().manual_seed(seed)
 
     def rand(*shape, scale=1.0):
-        return (scale * torch.randn(*shape, generator=g, dtype=torch.float64)).to(dtype)
+        return (scale * torch.randn(*shape, generator=g, dtype=torch.float64)).to(device, dtype)
 
     x = rand(*N_LEAD, K)
     w, b = rand(OUT, K, scale=K**-0.5), rand(OUT) if bias else None
@@ -60,10 +62,11 @@ def _run(fn, tensors, dy, trains, dtype):
     return y.detach(), [None if t is None or not r else t.grad for t, r in zip(leaves, trains)]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("bias,base_trains", [(True, False), (False, False), (True, True)])
-def test_lora_linear_matches_reference(dtype, bias, base_trains):
-    tensors, dy, trains = _inputs(dtype, bias, base_trains)
+def test_lora_linear_matches_reference(dtype, bias, base_trains, device):
+    tensors, dy, trains = _inputs(dtype, bias, base_trains, device=device)
     before = [None if t is None else t.clone() for t in tensors]
     y, grads = _run(lora_linear, tensors, dy, trains, dtype)
     hi_y, hi_grads = _run(lora_linear_reference, tensors, dy, trains, torch.float64)
@@ -163,6 +166,7 @@ def _train_step(model, batch, autocast=False):
     }
 
 
+@cpu_only
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "bf16-autocast"])
 def test_kernelized_lora_model_matches_peft(precision):
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
@@ -189,6 +193,7 @@ def test_kernelized_lora_model_matches_peft(precision):
         assert_numerics(f"grad {name}", x[1][name], hi[1][name], lo[1][name], factor=3.0, dtype=low)
 
 
+@cpu_only
 def test_peft_states_and_undo():
     model = with_lora(tiny_llama("eager"))
     batch = {k: packed_batch()[0][k] for k in ("input_ids", "position_ids")}
@@ -216,6 +221,7 @@ def test_peft_states_and_undo():
         torch.testing.assert_close(model(**batch).logits, before)
 
 
+@cpu_only
 def test_layers_it_cannot_compute_are_left_alone_with_the_reason():
     config = peft.LoraConfig(r=4, target_modules=["q_proj"], lora_dropout=0.1)
     model = peft.get_peft_model(tiny_llama(), config)
@@ -236,6 +242,7 @@ def test_layers_it_cannot_compute_are_left_alone_with_the_reason():
     assert "no peft LoRA layer" in plain.left_alone["lora"]
 
 
+@cpu_only
 def test_kernelized_lora_model_compiles_once_without_graph_breaks():
     from torch._dynamo.testing import CompileCounterWithBackend
     from torch._dynamo.utils import counters
