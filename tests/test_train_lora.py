@@ -163,3 +163,26 @@ def test_load_in_4bit_passes_bitsandbytes_config(tmp_path, recorded_from_pretrai
 
         assert not os.path.exists(folder)
     assert model.config._attn_implementation == "varlen_packed" and not model.config.use_cache
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["bf16", "bf16-mixed"])
+def test_fused_lora_gpu_eager_and_compiled(tmp_path, precision):
+    """GPU: ``--lora --fused-lora`` eager and with ``--compile`` (Inductor; under bf16-mixed the
+    op runs inside autocast) trains like peft's ``--lora``: per-step losses by the rule (ref_lo:
+    peft in the same precision, ref_hi: peft in fp32); one compilation, no graph break."""
+    from test_compile_trainers import _fresh, _recompile_reasons
+    from torch._dynamo.utils import counters
+
+    kw = dict(lora=True, lora_r=8, max_steps=4, lr=1e-2)
+    lo, _ = _losses(tiny_train_config(tmp_path, "lo", precision=precision, **kw))
+    hi, _ = _losses(tiny_train_config(tmp_path, "hi", precision="fp32", **kw))
+    fused = dict(precision=precision, fused_lora=True, **kw)
+    x, summary = _losses(tiny_train_config(tmp_path, "x", **fused))
+    assert "lora x" in summary["kernels"], summary["kernels"]
+    assert_numerics(f"--fused-lora {precision} losses", x.float(), hi, lo.float())
+    _fresh()
+    y, summary = _losses(tiny_train_config(tmp_path, "y", compile=True, **fused))
+    assert dict(counters["graph_break"]) == {}, dict(counters["graph_break"])
+    assert summary["compile"]["compilations"] == 1, (summary["compile"], _recompile_reasons())
+    assert_numerics(f"--fused-lora --compile {precision} losses", y.float(), hi, lo.float())

@@ -133,23 +133,6 @@ def quantization_kwargs(device: torch.device) -> dict[str, Any]:
     }
 
 
-def _reload_in_4bit(model, attn: str, device: torch.device):
-    """A preset (random init) quantised: saved once to a temporary folder, reloaded in 4-bit."""
-    import tempfile
-
-    from transformers import AutoModelForCausalLM
-
-    with tempfile.TemporaryDirectory(prefix="hf_varlen_4bit_") as folder:
-        model.save_pretrained(folder)
-        del model
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        logger.info("--load-in-4bit: the preset was saved to %s and reloaded in 4-bit", folder)
-        return AutoModelForCausalLM.from_pretrained(
-            folder, attn_implementation=attn, dtype=torch.bfloat16, **quantization_kwargs(device)
-        )
-
-
 def build_model(cfg: TrainConfig, tokenizer, precision: str, device: torch.device | None = None):
     """The model in the weight dtype of ``precision``, ``use_cache`` off. Presets are initialised
     directly on ``device`` (a 1B model's random init is slow on the host); loaded models stay on
@@ -190,8 +173,20 @@ def build_model(cfg: TrainConfig, tokenizer, precision: str, device: torch.devic
         config.use_cache = False
         with torch.device(device or "cpu"):
             model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype)
-        if cfg.load_in_4bit:
-            model = _reload_in_4bit(model, attn, device or torch.device("cpu"))
+        if cfg.load_in_4bit:  # no checkpoint to quantise: save the preset once, reload in 4-bit
+            import tempfile
+
+            with tempfile.TemporaryDirectory(prefix="hf_varlen_4bit_") as folder:
+                model.save_pretrained(folder)
+                del model  # its full-precision weights go before the 4-bit copy loads
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                model = AutoModelForCausalLM.from_pretrained(
+                    folder,
+                    attn_implementation=attn,
+                    dtype=dtype,
+                    **quantization_kwargs(device or torch.device("cpu")),
+                )
             model.config.use_cache = False
     else:
         source, local = local_or_hub("--model", cfg.model)
