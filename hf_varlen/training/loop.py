@@ -275,7 +275,8 @@ class PackedTrainer:
         if cfg.lora:
             model = apply_lora(model, cfg)
         # Kernels after LoRA: kernelize sees the peft model (its GLU layers call the LoRA-wrapped
-        # projections, so the adapters keep running).
+        # projections, so the adapters keep running; --fused-lora puts those LoRA layers on the
+        # one-op LoRA projection).
         self.kernels, fused_ce, self.loss_impl = apply_kernels(model, cfg, self.device)
         # The fused CE skips the logits in training; eval asks for it with the wrapped forward's
         # public per-call keyword (hf_varlen.integrations.loss).
