@@ -1,7 +1,10 @@
-"""QLoRA on the GPU (``pytest -m gpu tests/test_qlora_gpu.py``): bitsandbytes NF4 bases through
-transformers' ``BitsAndBytesConfig`` with peft LoRA, packed batches, ``varlen_packed`` and
-hf_varlen's kernels. The CPU side (flags, refusals, the config handed to ``from_pretrained``) is
-``tests/test_train_lora.py``.
+"""QLoRA: bitsandbytes NF4 bases through transformers' ``BitsAndBytesConfig`` with peft LoRA,
+packed batches, ``varlen_packed`` and hf_varlen's kernels. The flags, refusals and the config
+handed to ``from_pretrained`` are ``tests/test_train_lora.py`` (no bitsandbytes needed).
+Everything here needs bitsandbytes and CUDA (``pytest -m gpu``). Not on CPU: bitsandbytes 0.50
+quantises there, but its CPU 4-bit matmul (``bitsandbytes::gemv_4bit``) has no autograd kernel
+(torch warns "silently incorrect"), and the input gradients through a 4-bit layer came out wrong
+in this very check (40-85% off before the last layer): the reason ``--load-in-4bit`` needs CUDA.
 
 - ``hf-varlen train --lora --load-in-4bit`` on a tiny pretrained folder and on a preset (saved and
   reloaded in 4-bit): the base linear layers are bitsandbytes ``Linear4bit``, only the adapters
@@ -23,7 +26,6 @@ from tiny_runs import tiny_train_config
 import hf_varlen
 from hf_varlen.testing import assert_numerics
 
-pytestmark = pytest.mark.gpu
 bnb = pytest.importorskip("bitsandbytes")
 peft = pytest.importorskip("peft")
 LENGTHS = (37, 80, 11)
@@ -41,6 +43,7 @@ def _folder(tmp_path):
     return str(tmp_path / "llama")
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("source", ["folder", "preset"])
 def test_qlora_trains_on_gpu(tmp_path, source):
     from hf_varlen.training import PackedTrainer
@@ -72,6 +75,7 @@ def _with_lora(model):
     return wrapped
 
 
+@pytest.mark.gpu
 def test_qlora_packed_equals_each_document_alone(tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -94,7 +98,8 @@ def test_qlora_packed_equals_each_document_alone(tmp_path):
                 plain.get_submodule(name).weight.copy_(w.float())
     q, plain = _with_lora(q), _with_lora(plain)
     adapters = {n: p for n, p in q.named_parameters() if "lora_" in n}
-    plain.load_state_dict(adapters, strict=False)
+    loaded = plain.load_state_dict(adapters, strict=False)
+    assert not loaded.unexpected_keys and len(adapters) == 2 * 2 * 7  # A, B x 7 x layers
     report = kernelize(q)
     assert report.counts["glu"] == 2 and report.installed("cross_entropy"), report.left_alone
 
