@@ -43,6 +43,8 @@ def run_cli(capsys, *argv) -> tuple[int, str, str]:
         (["--max-length", "512", "--tokens-per-batch", "256"], "--tokens-per-batch: expected >="),
         (["--attn-backend", "nope"], "--attn-backend 'nope'"),
         (["--resume", "no/such/checkpoint-3"], "--resume: expected a checkpoint folder"),
+        (["--fused-lora"], "--fused-lora applies to LoRA training: add --lora"),
+        (["--lora", "--load-in-4bit", "--precision", "fp32"], "--load-in-4bit computes in bf16"),
     ],
 )
 def test_configuration_error_is_one_line_and_exit_2(tmp_path, capsys, flags, message):

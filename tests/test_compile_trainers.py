@@ -60,13 +60,17 @@ def _double(model):
     model.double()
 
 
-@pytest.mark.parametrize("case", ["packed", "padded", "checkpointed"])
+@pytest.mark.parametrize("case", ["packed", "padded", "checkpointed", "lora"])
 def test_train_compile_equals_eager_without_recompiles(tmp_path, case):
     """6 steps of packs with changing token and document counts (padded: changing [B, L];
     checkpointed: --gradient-checkpointing, whose layers transformers >= 5.25 wraps in kernels'
-    context variable: ``metadata.checkpointed_side_effects``)."""
+    context variable: ``metadata.checkpointed_side_effects``; lora: --lora, peft adapters on every
+    linear layer under the fused loss, trained alone)."""
     padded = case == "padded"
     kw = dict(padded=padded, gradient_checkpointing=case == "checkpointed")
+    if case == "lora":
+        pytest.importorskip("peft")
+        kw.update(lora=True, lora_r=4)
     lo, _, _ = _losses(_tiny(tmp_path, "lo", **kw))
     # fp64 reference: transformers' cross-entropy (the fused loss takes fp16/bf16/fp32)
     hi, _, _ = _losses(_tiny(tmp_path, "hi", fused_loss="off", **kw), hook=_double)

@@ -21,6 +21,8 @@ sys.meta_path.insert(0, _NoTriton())
 import hf_varlen, hf_varlen.ops, hf_varlen.ops.common
 from hf_varlen import install_fused_cross_entropy, kernelize, KernelizeReport
 assert "triton" not in sys.modules, sorted(m for m in sys.modules if m.startswith("triton"))
+hf_varlen.ops.lora_linear  # torch only: resolves without triton
+assert "triton" not in sys.modules
 try:
     hf_varlen.ops.swiglu
 except ImportError as exc:
@@ -32,7 +34,7 @@ print("ok")
 
 
 def test_every_export_resolves():
-    from hf_varlen.ops import attention, cross_entropy, glu, rmsnorm, rope
+    from hf_varlen.ops import attention, cross_entropy, glu, lora, rmsnorm, rope
 
     expected = {
         "apply_rotary_qk": rope.apply_rotary_qk,
@@ -41,6 +43,7 @@ def test_every_export_resolves():
         "geglu": glu.geglu,
         "rms_norm": rmsnorm.rms_norm,
         "fused_linear_cross_entropy": cross_entropy.fused_linear_cross_entropy,
+        "lora_linear": lora.lora_linear,
         "triton_varlen_attention": attention.triton_varlen_attention,
     }
     assert sorted(ops.__all__) == sorted(expected)

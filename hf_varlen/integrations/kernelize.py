@@ -66,7 +66,7 @@ _LAYER = {
     "GeGLUMLP": "GeGLUMLP",
 }
 _KIND = {"RMSNorm": "rmsnorm", "GemmaRMSNorm": "rmsnorm", ROPE_ENTRY: "rope"}
-KINDS = ("rmsnorm", "rope", "glu", "cross_entropy")
+KINDS = ("rmsnorm", "rope", "glu", "cross_entropy", "lora")
 _OUR_FORWARDS = {f"{name}.forward" for name in _LAYER.values()}
 # [lo, hi) of the kernels releases this wiring is tested with (CI: 0.19 with transformers 5.25;
 # 0.17 with 5.22, as on the GPU machine; 0.18 with 5.24 once, by hand)
@@ -82,8 +82,8 @@ class KernelizeReport:
         path: ``"kernels"`` or ``"fallback"``; ``path_reason`` says why the fallback was used.
         replaced: kind -> module names now running an hf_varlen kernel. Kinds: ``"rmsnorm"``,
             ``"glu"``, ``"rope"`` (the attention modules whose ``rotary_pos_emb`` entry runs the
-            fused kernel) and ``"cross_entropy"`` (the model's class name when the fused loss
-            was installed).
+            fused kernel), ``"cross_entropy"`` (the model's class name when the fused loss
+            was installed) and ``"lora"`` (peft LoRA Linear layers on the one-op projection).
         counts: kind -> number of replaced modules, for every kind (0 when none).
         layers: HF class -> hf_varlen layer it now runs.
         left_alone: module name (or a kind) -> why it was not replaced.
@@ -107,7 +107,7 @@ class KernelizeReport:
         return {kind: len(self.replaced.get(kind, [])) for kind in KINDS}
 
     def installed(self, kind: str) -> bool:
-        """True when ``kind`` ("rmsnorm", "rope", "glu" or "cross_entropy") runs fused now."""
+        """True when ``kind`` ("rmsnorm", "rope", "glu", "cross_entropy", "lora") runs fused now."""
         if kind not in KINDS:
             raise ValueError(f"kind: expected one of {KINDS}, got {kind!r}")
         return bool(self.replaced.get(kind))
@@ -210,6 +210,9 @@ def _is_ours(forward) -> bool:
 
 def _undo(model: nn.Module) -> None:
     """Remove every hf_varlen forward from the model (the class forwards take over again)."""
+    from . import peft_lora
+
+    peft_lora.uninstall(model)
     for module in model.modules():
         for m in (module, *rope_funcs(module)):
             if _is_ours(m.__dict__.get("forward")):
@@ -312,6 +315,21 @@ def _install_loss(model: nn.Module, report: KernelizeReport) -> None:
     report.notes.append("fused linear cross-entropy: hf_varlen.install_fused_cross_entropy")
 
 
+def _install_lora(model: nn.Module, report: KernelizeReport) -> None:
+    from . import peft_lora
+
+    done, left = peft_lora.install(model)
+    report.left_alone.update(left)
+    if done:
+        report.replaced["lora"] = done
+        report.layers["lora.Linear"] = "lora_linear"
+        report.notes.append(
+            "lora: peft lora.Linear forwards bound per instance to the one-op LoRA projection"
+        )
+    elif not left:
+        report.left_alone["lora"] = "no peft LoRA layer in the model (wrap it with get_peft_model)"
+
+
 # --------------------------------------------------------------------------------------- public
 
 
@@ -322,6 +340,7 @@ def kernelize(
     glu: bool = True,
     rmsnorm: bool = True,
     cross_entropy: bool = True,
+    lora: bool = False,
     device: str | torch.device | None = None,
 ) -> KernelizeReport:
     """Replace the supported RMSNorm / RoPE / GLU-MLP forwards of ``model`` with fused kernels.
@@ -332,6 +351,11 @@ def kernelize(
         cross_entropy: also install the fused linear cross-entropy loss
             (``hf_varlen.install_fused_cross_entropy``). False leaves the loss as it is (undo it
             with ``hf_varlen.uninstall_fused_cross_entropy``).
+        lora: run peft's LoRA Linear layers (of a ``get_peft_model`` model) on the one-op LoRA
+            projection ``hf_varlen.ops.lora_linear`` (base + scale * B(A(x)) with a hand-written
+            backward; torch matmuls, any device). Off by default: see ``docs/lora.md``. Layers
+            it cannot compute exactly (DoRA, lora_bias, dropout > 0, a quantised base) are left
+            alone with the reason.
         device: device type the kernels will run on (default: where the parameters are). Pass
             ``"cuda"`` when kernelizing on CPU before ``model.to("cuda")``.
 
@@ -384,6 +408,8 @@ def kernelize(
         )
     if cross_entropy:
         _install_loss(model, report)
+    if lora:
+        _install_lora(model, report)
 
     by_reason: dict[str, int] = {}
     for why in report.left_alone.values():

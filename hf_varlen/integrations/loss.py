@@ -263,11 +263,16 @@ def _forward(model, *args, fused_loss: bool | None = None, **kwargs):
 
 
 def _causal_lm(model: torch.nn.Module) -> torch.nn.Module:
-    """The transformers model inside PEFT / DDP wrappers."""
+    """The transformers model inside PEFT (``PeftModel``, ``LoraModel``) / DDP wrappers."""
     while isinstance(model, torch.nn.parallel.DistributedDataParallel):
         model = model.module
     if hasattr(model, "get_base_model") and callable(model.get_base_model):  # peft.PeftModel
         model = model.get_base_model()
+    # peft's tuner (LoraModel, a PeftModel's ``base_model``) keeps the transformers model as
+    # ``.model``; told from its class's module, never by importing peft
+    inner = getattr(model, "model", None)
+    if type(model).__module__.startswith("peft.tuners.") and isinstance(inner, torch.nn.Module):
+        model = inner
     return model
 
 

@@ -5,6 +5,7 @@
     swiglu(gate, up) / geglu(gate, up)     silu(gate) * up / gelu(gate) * up
     rms_norm(x, weight, eps, add_unit_offset=False)   Llama RMSNorm (True: Gemma's (1 + w))
     fused_linear_cross_entropy(hidden, weight, labels, ...)   lm_head + CE without the logits
+    lora_linear(x, weight, bias, lora_a, lora_b, scale)   base(x) + scale * B(A(x)) (torch only)
     triton_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, ...)   varlen flash attention
 
 The names resolve lazily (PEP 562), so ``import hf_varlen.ops`` and the torch-only
@@ -27,6 +28,7 @@ _EXPORTS = {
     "geglu": "glu",
     "rms_norm": "rmsnorm",
     "fused_linear_cross_entropy": "cross_entropy",
+    "lora_linear": "lora",
     "triton_varlen_attention": "attention",
 }
 

@@ -176,6 +176,19 @@ class TrainConfig:
     lora_alpha: int = _opt(32, "LoRA alpha")
     lora_dropout: float = _opt(0.0, "LoRA dropout")
     lora_target: str = _opt("all-linear", "LoRA target modules (peft syntax, comma-separated)")
+    fused_lora: bool = _opt(
+        False,
+        "with --lora: run peft's LoRA Linear layers on hf_varlen's one-op LoRA projection "
+        "(base + scale * B(A(x)) with a hand-written backward that keeps only x and the rank-r "
+        "intermediate); needs --lora-dropout 0 and a full-precision base; off by default until "
+        "measured on the GPU (docs/lora.md)",
+    )
+    load_in_4bit: bool = _opt(
+        False,
+        "QLoRA: load the base model's linear layers in 4-bit NF4 (bitsandbytes through "
+        "transformers' BitsAndBytesConfig, double quantisation, bf16 compute); needs --lora, one "
+        "CUDA GPU and bf16 precision (pip install 'hf_varlen[qlora]')",
+    )
     # Optimisation.
     optim: str = _opt("adamw", "optimizer", choices=OPTIMIZERS)
     lr: float | None = _opt(
@@ -250,6 +263,34 @@ class TrainConfig:
     )
 
     # ----------------------------------------------------------------------------------------- #
+
+    def _validate_lora(self) -> None:
+        """--fused-lora and --load-in-4bit: what they need (the device is checked at start)."""
+        for flag, on in (("--fused-lora", self.fused_lora), ("--load-in-4bit", self.load_in_4bit)):
+            if on and not self.lora:
+                raise ValueError(f"{flag} applies to LoRA training: add --lora or drop {flag}")
+        if self.fused_lora and self.lora_dropout > 0:
+            raise ValueError(
+                f"--fused-lora: the one-op LoRA projection has no dropout, got --lora-dropout "
+                f"{self.lora_dropout}; pass --lora-dropout 0 or drop --fused-lora"
+            )
+        if not self.load_in_4bit:
+            return
+        if self.fused_lora:
+            raise ValueError(
+                "--fused-lora needs a full-precision base layer, but --load-in-4bit quantises it; "
+                "drop one of them"
+            )
+        if self.precision not in ("auto", "bf16"):
+            raise ValueError(
+                f"--load-in-4bit computes in bf16 (4-bit weights, bf16 activations), got "
+                f"--precision {self.precision}; pass --precision bf16 (or auto)"
+            )
+        if importlib.util.find_spec("bitsandbytes") is None:
+            raise ImportError(
+                "--load-in-4bit needs the `bitsandbytes` package, which is not installed; "
+                "`pip install 'hf_varlen[qlora]'` or drop --load-in-4bit"
+            )
 
     def validate(self) -> None:
         """Checks that need nothing but the options. Raises ValueError/TypeError/ImportError with
@@ -326,6 +367,7 @@ class TrainConfig:
                 "--lora needs the `peft` package, which is not installed; "
                 "`pip install 'hf_varlen[peft]'` or drop --lora"
             )
+        self._validate_lora()
         if self.plot and importlib.util.find_spec("matplotlib") is None:
             raise ImportError(
                 "--plot needs `matplotlib`, which is not installed; "

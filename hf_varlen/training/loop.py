@@ -64,6 +64,7 @@ from .model import (
     attn_implementation,
     build_model,
     check_backend,
+    check_load_in_4bit,
     load_tokenizer,
     matmul_flops_per_token,
     pad_id,
@@ -211,6 +212,7 @@ class PackedTrainer:
         graphs_on, self.graphs_note = resolve_graphs(
             cfg, self.device, self.acc.num_processes, self.precision
         )
+        check_load_in_4bit(cfg, self.device, self.acc.num_processes)
         set_seed(cfg.seed)
         # The checkpoint and the output folder are checked before anything is loaded.
         self.resumed_from = ckpt.resolve_resume(
@@ -274,10 +276,6 @@ class PackedTrainer:
         scope_backend(model, cfg)
         if model_hook is not None:
             model_hook(model)
-        self.kernels, fused_ce, self.loss_impl = apply_kernels(model, cfg, self.device)
-        # The fused CE skips the logits in training; eval asks for it with the wrapped forward's
-        # public per-call keyword (hf_varlen.integrations.loss).
-        self.eval_kwargs = {"fused_loss": True} if fused_ce else {}
         if cfg.gradient_checkpointing:
             checkpointing_kwargs = {"use_reentrant": False}
             if graphs_on:  # a capture cannot save / restore the RNG state (training/graphs.py)
@@ -290,6 +288,13 @@ class PackedTrainer:
                 )
         if cfg.lora:
             model = apply_lora(model, cfg)
+        # Kernels after LoRA: kernelize sees the peft model (its GLU layers call the LoRA-wrapped
+        # projections, so the adapters keep running; --fused-lora puts those LoRA layers on the
+        # one-op LoRA projection).
+        self.kernels, fused_ce, self.loss_impl = apply_kernels(model, cfg, self.device)
+        # The fused CE skips the logits in training; eval asks for it with the wrapped forward's
+        # public per-call keyword (hf_varlen.integrations.loss).
+        self.eval_kwargs = {"fused_loss": True} if fused_ce else {}
         if graphs_on and (blockers := model_blockers(model)):
             if cfg.cuda_graphs == "on":
                 raise ValueError("--cuda-graphs on cannot be honoured: " + "; ".join(blockers))

@@ -10,6 +10,10 @@
   ``varlen_packed`` (the name would be silently ignored).
 - ``apply_kernels``: ``hf_varlen.kernelize`` when present and wanted (guarded import).
 - ``apply_lora``: peft LoRA adapters.
+- ``check_load_in_4bit`` / ``quantization_kwargs``: QLoRA (``--load-in-4bit``): bitsandbytes NF4
+  through transformers' ``BitsAndBytesConfig``, loaded straight onto the run's one GPU. A preset
+  (random init, no checkpoint) is saved once to a temporary folder and reloaded quantised, so
+  both go through ``from_pretrained``'s quantiser, the one supported way to quantise.
 """
 
 from __future__ import annotations
@@ -91,6 +95,44 @@ def attn_implementation(cfg: TrainConfig) -> str:
     return "sdpa" if cfg.padded else cfg.attn_implementation
 
 
+def check_load_in_4bit(cfg: TrainConfig, device: torch.device, processes: int) -> None:
+    """Refuse a ``--load-in-4bit`` this run cannot honour, before anything is loaded (the flag
+    combinations are checked by ``TrainConfig.validate``)."""
+    if not cfg.load_in_4bit:
+        return
+    if device.type != "cuda":
+        raise ValueError(
+            f"--load-in-4bit needs a CUDA GPU (bitsandbytes' 4-bit matmul), but this run's device "
+            f"is {device.type!r}; run on a GPU or drop --load-in-4bit"
+        )
+    if processes > 1:
+        raise ValueError(
+            f"--load-in-4bit trains on one GPU: a 4-bit base cannot be sharded by FSDP2 or "
+            f"replicated here, got {processes} processes; launch one process or drop --load-in-4bit"
+        )
+
+
+def quantization_kwargs(device: torch.device) -> dict[str, Any]:
+    """``from_pretrained`` keywords of ``--load-in-4bit``: NF4 with double quantisation (the QLoRA
+    recipe: ~0.4 bit less per weight), bf16 compute, every weight on the run's GPU (bitsandbytes
+    quantises while loading there; accelerate then leaves the model where it is)."""
+    from transformers import BitsAndBytesConfig
+
+    config = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+    )
+    index = device.index
+    if index is None and device.type == "cuda":
+        index = torch.cuda.current_device()
+    return {
+        "quantization_config": config,
+        "device_map": {"": index if index is not None else str(device)},
+    }
+
+
 def build_model(cfg: TrainConfig, tokenizer, precision: str, device: torch.device | None = None):
     """The model in the weight dtype of ``precision``, ``use_cache`` off. Presets are initialised
     directly on ``device`` (a 1B model's random init is slow on the host); loaded models stay on
@@ -131,9 +173,26 @@ def build_model(cfg: TrainConfig, tokenizer, precision: str, device: torch.devic
         config.use_cache = False
         with torch.device(device or "cpu"):
             model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype)
+        if cfg.load_in_4bit:  # no checkpoint to quantise: save the preset once, reload in 4-bit
+            import tempfile
+
+            with tempfile.TemporaryDirectory(prefix="hf_varlen_4bit_") as folder:
+                model.save_pretrained(folder)
+                del model  # its full-precision weights go before the 4-bit copy loads
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                model = AutoModelForCausalLM.from_pretrained(
+                    folder,
+                    attn_implementation=attn,
+                    dtype=dtype,
+                    **quantization_kwargs(device or torch.device("cpu")),
+                )
+            model.config.use_cache = False
     else:
         source, local = local_or_hub("--model", cfg.model)
         extra = {} if local else hub_access("--model", source)
+        if cfg.load_in_4bit:
+            extra.update(quantization_kwargs(device or torch.device("cpu")))
         try:
             model = AutoModelForCausalLM.from_pretrained(
                 source, attn_implementation=attn, dtype=dtype, **extra, **overrides
@@ -248,12 +307,20 @@ def apply_kernels(model, cfg: TrainConfig, device: torch.device) -> tuple[str, b
         reason = "--fused-kernels off" if cfg.fused_kernels == "off" else "auto: no CUDA device"
         text = f"off ({reason})"
     installed = False
-    if layers or loss:
+    if layers or loss or cfg.fused_lora:
         from hf_varlen import kernelize
 
         report = kernelize(
-            model, rope=layers, glu=layers, rmsnorm=layers, cross_entropy=loss, device=device.type
+            model,
+            rope=layers,
+            glu=layers,
+            rmsnorm=layers,
+            cross_entropy=loss,
+            lora=cfg.fused_lora,
+            device=device.type,
         )
+        if cfg.fused_lora:
+            _check_fused_lora(report)
         installed = report.installed("cross_entropy")
         if installed and device.type == "cpu":
             # Training on the CPU runs the chunked torch path: under TRITON_INTERPRET=1 (kernel
@@ -274,6 +341,19 @@ def apply_kernels(model, cfg: TrainConfig, device: torch.device) -> tuple[str, b
             logger.warning("--fused-loss: %s", why)
     name = "hf_varlen fused linear cross-entropy" if installed else "transformers' cross-entropy"
     return text, installed, f"{name} ({why})"
+
+
+def _check_fused_lora(report) -> None:
+    """--fused-lora is explicit: every LoRA layer runs the op, or the run stops with the reason."""
+    from hf_varlen.integrations.peft_lora import LEFT_ALONE_PREFIX
+
+    left = {n: why for n, why in report.left_alone.items() if why.startswith(LEFT_ALONE_PREFIX)}
+    if left or not report.installed("lora"):
+        name, why = next(iter(left.items()), ("lora", report.left_alone.get("lora", "none")))
+        raise ValueError(
+            f"--fused-lora: {len(left) or 'no'} LoRA layer(s) cannot run the one-op LoRA "
+            f"projection ({name}: {why}); drop --fused-lora"
+        )
 
 
 def _kernels_text(report) -> str:
@@ -313,9 +393,9 @@ def matmul_flops_per_token(model) -> float:
     + 2 more (weight grad) when it is trained. Embedding lookups cost no FLOPs."""
     total = 0.0
     for module in model.modules():
-        if isinstance(module, torch.nn.Linear):
+        if isinstance(module, torch.nn.Linear):  # in x out: a 4-bit weight packs two per byte
             w = module.weight
-            total += w.numel() * (6.0 if w.requires_grad else 4.0)
+            total += module.in_features * module.out_features * (6.0 if w.requires_grad else 4.0)
     return total
 
 
