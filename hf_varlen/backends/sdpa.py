@@ -51,6 +51,11 @@ def sdpa_backend(q, k, v, metadata, params):
         )
         if mask is not None:  # rows that see no key: SDPA gives NaN, FA semantics give 0
             o = o.masked_fill(~mask.any(-1)[None, None, :, None], 0.0)
+        else:
+            # torch's fused CPU kernel turns a NaN query row into a finite output row (its
+            # gradients stay NaN). Adding 0 * q keeps a non-finite query visible, and adds an
+            # exact 0 (no change) everywhere else (docs/attention-numerics.md).
+            o = o + qd.mul(0.0).sum(-1, keepdim=True).to(o.dtype)
         pieces.append(o[0].transpose(0, 1))
     if not pieces:
         return q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])

@@ -35,8 +35,6 @@ kernel), attention_bwd.py (backward kernels), attention_ops.py (torch.library op
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .attention_bwd import attention_backward
@@ -47,7 +45,7 @@ from .attention_schedule import (
     pick_config,
     pick_long_path,
 )
-from .common import causal_window, deterministic_requested
+from .common import attention_scale, attention_softcap, causal_window, deterministic_requested
 from .library import compiling
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -109,8 +107,6 @@ def _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softcap) -> No
         )
     if dropout_p != 0.0:
         raise ValueError(f"dropout_p > 0 is not supported by the triton backend, got {dropout_p}")
-    if softcap < 0:
-        raise ValueError(f"softcap must be >= 0 (0 = off), got {softcap}")
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -196,10 +192,11 @@ def triton_varlen_attention(
             [0, T] on the device, so they never read or write out of bounds; rows past cu[-1]
             give zeros.
         max_seqlen_q, max_seqlen_k: accepted for API compatibility; the kernel never needs them.
-        softmax_scale: defaults to D ** -0.5.
+        softmax_scale: defaults to D ** -0.5; a finite number >= 0 (else ValueError).
         causal: causal mask, bottom-right aligned when a document's L_q != L_k.
         window_size: (left, right) sliding window, -1 = unbounded; causal forces right = 0.
-        softcap: > 0 applies ``softcap * tanh(s / softcap)`` to the scaled scores (Gemma-2).
+        softcap: > 0 applies ``softcap * tanh(s / softcap)`` to the scaled scores (Gemma-2); 0 or
+            inf = no softcap; NaN or negative raise ValueError (docs/attention-numerics.md).
         dropout_p: must be 0 (dropout is not implemented; > 0 raises ValueError).
         deterministic: request a bitwise-repeatable backward (also $FLASH_ATTENTION_DETERMINISTIC
             or torch's deterministic mode): the atomic-free split backward (the default one, so
@@ -210,9 +207,9 @@ def triton_varlen_attention(
         out (T_q, H_q, D) in q's dtype, or (out, lse) with ``return_lse=True``. Queries that see no
         key (e.g. an empty window) give zeros.
     """
-    softcap = float(softcap or 0.0)
+    softcap = attention_softcap(softcap)  # the policy of every backend (ops/common.py)
     _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, float(dropout_p or 0.0), softcap)
-    scale = 1.0 / math.sqrt(q.shape[2]) if softmax_scale is None else float(softmax_scale)
+    scale = attention_scale(softmax_scale, q.shape[2])
     return triton_attention(
         q,
         k,

@@ -10,12 +10,15 @@ package), and everything above ``ops/`` may import from it; so each helper is de
 ``IGNORE_INDEX``: the label value the loss skips (-100, as in transformers and torch).
 ``causal_window(causal, window_size)``: the FA (left, right) window with causality folded in.
 ``check_offsets(name, offsets, total, max_len)``: the full cu_seqlens check on a host list.
+``attention_scale(value, head_dim)`` / ``attention_softcap(value)``: the one policy for
+    softmax_scale and softcap on every attention backend (docs/attention-numerics.md).
 ``clamp_offsets(cu, total)``: cu_seqlens made memory-safe on the device (no sync).
 ``TensorCache``: a small cache keyed on tensor identity + version (values derived once per batch).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import weakref
 from collections import OrderedDict
@@ -65,6 +68,39 @@ def causal_window(causal: bool, window_size) -> tuple[int, int]:
     """
     left, right = (int(w) for w in window_size)
     return (left, 0) if causal else (left, right)
+
+
+def attention_scale(value, head_dim: int) -> float:
+    """softmax_scale as a float: None -> head_dim ** -0.5; else a finite number >= 0 (0 is
+    uniform attention over the visible keys). NaN, inf and negative values raise ValueError
+    naming the argument: each backend would give them a different meaning (or none)."""
+    if value is None:
+        return head_dim**-0.5
+    if isinstance(value, bool) or not isinstance(value, (Integral, float)):
+        raise TypeError(f"softmax_scale must be a float or None, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(
+            f"softmax_scale must be a finite number >= 0 (None = head_dim ** -0.5), got {value}"
+        )
+    return value
+
+
+def attention_softcap(value) -> float:
+    """softcap as a float: None or 0 -> 0.0 (off); a finite number > 0 caps the scores at
+    +-softcap (softcap * tanh(s / softcap)); +inf -> 0.0, the limit of that formula (no cap).
+    NaN and negative values raise ValueError naming the argument."""
+    if value is None:
+        return 0.0
+    if isinstance(value, bool) or not isinstance(value, (Integral, float)):
+        raise TypeError(f"softcap must be a float (0 = off), got {value!r}")
+    value = float(value)
+    if math.isnan(value) or value < 0:
+        raise ValueError(
+            f"softcap must be a number >= 0 (0 or inf = no softcap, as softcap * tanh(s / softcap) "
+            f"-> s), got {value}"
+        )
+    return 0.0 if math.isinf(value) else value
 
 
 def check_offsets(name: str, offsets: list[int], total: int, max_len: int | None = None) -> None:
