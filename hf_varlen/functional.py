@@ -28,6 +28,7 @@ from .ops.common import (
     attention_scale,
     attention_softcap,
     check_offsets,
+    check_sinks,
     deterministic_requested,
     env_flag,
 )
@@ -148,6 +149,7 @@ def varlen_attention(
     deterministic: bool = False,
     backend: str = "auto",
     validate: bool | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention inside each packed document (FlashAttention-2 ``flash_attn_varlen_func`` semantics).
 
@@ -169,6 +171,9 @@ def varlen_attention(
             cannot serve the call raises; it never falls back silently. "auto" means the model's
             scoped backend (inside a model, ``set_backend(name, model=...)``), else the process
             default (``set_backend`` / $HF_VARLEN_BACKEND), else the first capable backend.
+        sinks: (H_q,) per-head attention-sink logits (gpt-oss's ``s_aux``; differentiable), or
+            None: each row's softmax denominator gets exp(sinks[h]) more, with no value. Served
+            by the backends whose spec says ``sinks`` (docs/attention-numerics.md).
         validate: run the checks that need a device sync; default from HF_VARLEN_VALIDATE (eager
             only: under torch.compile the variable is skipped and validate=True raises).
     Returns:
@@ -200,6 +205,7 @@ def varlen_attention(
         dropout_p,
         full,
     )
+    sinks = check_sinks(sinks, q)
     metadata = VarlenMetadata(cu_seqlens_q, cu_seqlens_k, max_q, max_k)
     params = AttentionParams.create(
         head_dim=q.shape[-1],
@@ -209,6 +215,7 @@ def varlen_attention(
         softcap=softcap,
         dropout_p=dropout_p,
         deterministic=deterministic_requested(deterministic),
+        sinks=sinks,
     )
     spec = resolve(backend, Request.for_call(q, k, v, metadata, params))
     if q.shape[0] == 0 or k.shape[0] == 0:

@@ -115,7 +115,9 @@ def _attend(backend, **kw):
     cu = cu_from_lengths([3, 5])
     if backend == "triton":
         dev = DEVICE
-        return triton_varlen_attention(q.to(dev), k.to(dev), v.to(dev), cu.to(dev), cu.to(dev), **kw)
+        return triton_varlen_attention(
+            q.to(dev), k.to(dev), v.to(dev), cu.to(dev), cu.to(dev), **kw
+        )
     if backend == "oracle":
         return attention_reference(q, k, v, cu, cu, **kw)
     return hf_varlen.varlen_attention(q, k, v, cu, cu, 5, 5, backend=backend, **kw)

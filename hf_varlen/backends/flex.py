@@ -146,6 +146,12 @@ def _flex_call(q, k, v, metadata, params):
         def score_mod(score, b, h, qi, ki):
             return softcap * torch.tanh(score / softcap)
 
+    sinks = params.sinks
+    extra = {}
+    if sinks is not None:
+        from torch.nn.attention.flex_attention import AuxRequest
+
+        extra["return_aux"] = AuxRequest(lse=True)
     out = attn(
         q.transpose(0, 1).unsqueeze(0),
         k.transpose(0, 1).unsqueeze(0),
@@ -154,8 +160,16 @@ def _flex_call(q, k, v, metadata, params):
         block_mask=mask,
         scale=params.softmax_scale,
         enable_gqa=q.shape[1] != k.shape[1],
+        **extra,
     )
-    return out[0, :, :t_q].transpose(0, 1)
+    if sinks is None:
+        return out[0, :, :t_q].transpose(0, 1)
+    # Sinks from the log-sum-exp (differentiable in FlexAttention): exp(s_h) more in each row's
+    # denominator, no value: o' = o * sigmoid(lse - s), as ops/attention.apply_sinks does.
+    out, aux = out
+    lse = aux.lse[0, :, :t_q].float()  # (H_q, T_q), natural log; -inf where a row sees nothing
+    scale = torch.sigmoid(lse - sinks.float()[:, None]).t()[:, :, None]
+    return (out[0, :, :t_q].transpose(0, 1).float() * scale).to(out.dtype)
 
 
 def _probe() -> str | None:
@@ -173,5 +187,5 @@ register_backend(BackendSpec(
     devices=frozenset({"cpu", "cuda"}),
     dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
     backward_devices=frozenset({"cuda"}),  # torch's FlexAttention has no CPU backward
-    sliding_window=True, softcap=True,
+    sliding_window=True, softcap=True, sinks=True,
 ))  # fmt: skip

@@ -12,6 +12,8 @@ Where documents come from (first match wins; see hf_varlen.metadata):
   3. packed ``position_ids`` of a batch of one row whose positions restart (TRL <= 1.15, plain
      models); converted once per forward pass, shared by every layer;
   4. otherwise each row is one causal sequence.
+
+Attention sinks (``s_aux``, gpt-oss / granite_swa) go to ``varlen_attention(sinks=...)``.
 """
 
 from __future__ import annotations
@@ -245,13 +247,6 @@ def varlen_packed_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """AttentionInterface function for ``attn_implementation="varlen_packed"``."""
-    if kwargs.get("s_aux") is not None:
-        raise ValueError(
-            f"varlen_packed does not implement attention sinks (s_aux), which "
-            f"{_model_name(getattr(module, 'config', None))} needs in "
-            f"{type(module).__name__} (e.g. gpt-oss); use attn_implementation='eager' or a "
-            "FlashAttention-3 build for this model"
-        )
     # One dtype for q, k, v on every backend (fp32 weights under autocast mix them); the cast is
     # silent, as in transformers' FlashAttention path minus its once-per-process warning (no
     # logging inside a traced region).
@@ -294,6 +289,9 @@ def varlen_packed_forward(
         softcap=float(softcap or 0.0),
         dropout_p=float(dropout or 0.0),
         backend=getattr(module, MODEL_BACKEND_ATTR, "auto"),  # set_backend(name, model=...)
+        # attention sinks (gpt-oss, granite_swa: one learned logit per query head); a backend
+        # without them is skipped by "auto" and refused by name when chosen explicitly
+        sinks=kwargs.get("s_aux"),
     )
     if meta.indices_q is not None:
         full = out.new_zeros(bsz * q_len, h_q, out.shape[-1])

@@ -12,6 +12,7 @@ package), and everything above ``ops/`` may import from it; so each helper is de
 ``check_offsets(name, offsets, total, max_len)``: the full cu_seqlens check on a host list.
 ``attention_scale(value, head_dim)`` / ``attention_softcap(value)``: the one policy for
     softmax_scale and softcap on every attention backend (docs/attention-numerics.md).
+``check_sinks(sinks, q)``: the attention-sink logits argument checked (None or (H_q,) float).
 ``clamp_offsets(cu, total)``: cu_seqlens made memory-safe on the device (no sync).
 ``TensorCache``: a small cache keyed on tensor identity + version (values derived once per batch).
 """
@@ -101,6 +102,23 @@ def attention_softcap(value) -> float:
             f"-> s), got {value}"
         )
     return 0.0 if math.isinf(value) else value
+
+
+def check_sinks(sinks, q: torch.Tensor) -> torch.Tensor | None:
+    """None, or ``sinks`` checked: a floating (H_q,) tensor on q's device (else an error naming
+    it, before any launch)."""
+    if sinks is None:
+        return None
+    if not isinstance(sinks, torch.Tensor) or not sinks.dtype.is_floating_point:
+        raise TypeError(f"sinks must be a floating-point tensor of shape (H_q,), got {sinks!r}")
+    if tuple(sinks.shape) != (q.shape[1],):
+        raise ValueError(
+            f"sinks must have one logit per query head, shape ({q.shape[1]},), got "
+            f"{tuple(sinks.shape)}"
+        )
+    if sinks.device != q.device:
+        raise ValueError(f"sinks must be on q's device ({q.device}), got {sinks.device}")
+    return sinks
 
 
 def check_offsets(name: str, offsets: list[int], total: int, max_len: int | None = None) -> None:
