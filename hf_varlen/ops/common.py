@@ -171,8 +171,13 @@ class TensorCache:
 
     Every layer of one forward pass (and its backward) receives the *same* tensor objects
     (cu_seqlens, position_ids, the padding mask), so a value derived from them is computed once per
-    batch, not once per layer. Contents are never hashed; an in-place edit of a key tensor bumps its
-    version and misses. ``size`` entries are kept, least recently used dropped first. Under
+    batch, not once per layer. An in-place edit of a key tensor bumps its version and misses. Some
+    edits do not bump it: through the numpy array behind ``torch.from_numpy``, or through
+    ``t.data[...] = ...`` (``.data`` has a version counter of its own). For CPU key tensors the
+    entry therefore also keeps a copy of their values and a hit must match them (``torch.equal``
+    on the host: offsets, positions and masks are small next to the work they save); CUDA key
+    tensors are not compared (that would be a device sync per layer on the hot path), so there
+    a new batch must come in new tensors or through ordinary in-place ops (every collator does). ``size`` entries are kept, least recently used dropped first. Under
     ``torch.compile`` tracing nothing is cached (identity means nothing to a traced graph), nor for
     inference-mode tensors (they have no version counter, so an in-place edit could not be seen),
     nor while a CUDA graph is captured (``capturing``).
@@ -201,8 +206,10 @@ class TensorCache:
         hit = None if key is None else self._entries.get(key)
         if hit is None:
             return None
-        refs, value = hit
-        if any(r() is not t for r, t in zip(refs, tensors)):  # id reused by a new tensor
+        refs, snapshots, value = hit
+        if any(r() is not t for r, t in zip(refs, tensors)) or not all(
+            s is None or torch.equal(s, t) for s, t in zip(snapshots, tensors)
+        ):  # id reused by a new tensor, or a CPU tensor edited behind its version counter
             del self._entries[key]
             return None
         self._entries.move_to_end(key)
@@ -219,7 +226,11 @@ class TensorCache:
             return value
         if key is None:
             return value
-        self._entries[key] = (refs, value)
+        snapshots = [
+            t.detach().clone() if type(t) is torch.Tensor and t.device.type == "cpu" else None
+            for t in tensors
+        ]
+        self._entries[key] = (refs, snapshots, value)
         self._entries.move_to_end(key)
         while len(self._entries) > self.size:
             self._entries.popitem(last=False)
