@@ -143,3 +143,38 @@ def test_infinite_softcap_is_no_softcap(backend):
     off = _attend(backend, softcap=0.0)
     inf = _attend(backend, softcap=float("inf"))
     assert torch.isfinite(inf).all() and torch.equal(inf, off)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+@pytest.mark.parametrize("backend", ["triton", "flex", "sdpa", "torch", "flash_attn", "fa4"])
+def test_gpu_non_finite_stays_in_its_document(backend, which):
+    """bf16 on the GPU, forward and backward: long documents (unmasked blocks) beside short ones."""
+    reason = hf_varlen.backends.unavailable_reason(backend)
+    if reason is not None:
+        pytest.skip(f"{backend}: {reason}")
+    if not hf_varlen.backends.get_spec(backend).deterministic:
+        pytest.skip(f"{backend}: no deterministic backward to compare bitwise")
+    lengths, doc, row = [300, 700, 50, 3], 1, 900
+    q, k, v, g = make_qkv(lengths, 32, 8, 128, torch.bfloat16, "cuda", with_grad_out=True)
+    cu = cu_from_lengths(lengths, "cuda")
+
+    def run(a, b, c):
+        a, b, c = (t.detach().requires_grad_(True) for t in (a, b, c))
+        out = hf_varlen.varlen_attention(
+            a, b, c, cu, cu, 700, 700, backend=backend, deterministic=True
+        )  # bitwise comparisons: no atomic backward
+        out.backward(g)
+        return [t.float().cpu() for t in (out.detach(), a.grad, b.grad, c.grad)]
+
+    clean = run(q, k, v)
+    bad = {"q": q, "k": k, "v": v}[which].clone()
+    bad[row, 0, 5] = float("nan")
+    got = run(*({"q": q, "k": k, "v": v} | {which: bad}).values())
+    start = sum(lengths[:doc])
+    others = torch.ones(sum(lengths), dtype=torch.bool)
+    others[start : start + lengths[doc]] = False
+    for name, x, x0 in zip(("out", "dq", "dk", "dv"), got, clean):
+        assert torch.isfinite(x[others]).all(), f"{backend}: {which}=nan leaked into {name}"
+        assert torch.equal(x[others], x0[others]), f"{backend}: {name} of other documents changed"
+    assert not torch.isfinite(got[0][start : start + lengths[doc]]).all(), f"{backend}: hidden"
