@@ -133,7 +133,7 @@ def test_bad_softmax_scale_is_refused(backend, value):
 @pytest.mark.parametrize("value", [float("nan"), -1.0, float("-inf")])
 @pytest.mark.parametrize("backend", ARG_BACKENDS)
 def test_bad_softcap_is_refused(backend, value):
-    with pytest.raises(ValueError, match=r"softcap must be a number >= 0"):
+    with pytest.raises(ValueError, match=r"softcap must be >= 0 \(0 or inf = no softcap"):
         _attend(backend, softcap=value)
 
 

@@ -98,8 +98,8 @@ def attention_softcap(value) -> float:
     value = float(value)
     if math.isnan(value) or value < 0:
         raise ValueError(
-            f"softcap must be a number >= 0 (0 or inf = no softcap, as softcap * tanh(s / softcap) "
-            f"-> s), got {value}"
+            f"softcap must be >= 0 (0 or inf = no softcap, as softcap * tanh(s / softcap) -> s), "
+            f"got {value}"
         )
     return 0.0 if math.isinf(value) else value
 
