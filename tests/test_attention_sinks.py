@@ -168,3 +168,27 @@ def test_gpu_sinks_bf16_forward_backward(backend, lengths):
         ("out", "dq", "dk", "dv", "ds"), got, hi, lo, (2, 3, 3, 3, 3)
     ):
         assert_numerics(f"{backend} {name}", x, h, low, factor=factor)
+
+
+def test_triton_sinks_compile_fullgraph_and_opcheck():
+    """Under torch.compile the registered op carries the sinks (its optional last argument) and
+    the same numbers come out, gradients included."""
+    from torch._dynamo.utils import counters
+
+    from hf_varlen.ops.attention_ops import forward_op
+
+    q, k, v, g = make_qkv(LENGTHS, H_Q, H_KV, D, torch.float32, DEVICE, with_grad_out=True)
+    sinks = _sinks(device=DEVICE)
+    cu = cu_from_lengths(LENGTHS, DEVICE)
+    torch.library.opcheck(forward_op, (q, k, v, cu, cu, 0.25, -1, 0, 0.0, False, sinks))
+
+    def f(a, b, c, s):
+        return triton_varlen_attention(a, b, c, cu, cu, sinks=s)
+
+    want = _grads(f, q, k, v, sinks, g)
+    torch._dynamo.reset()
+    counters.clear()
+    got = _grads(torch.compile(f, backend="aot_eager", fullgraph=True), q, k, v, sinks, g)
+    assert dict(counters["graph_break"]) == {}
+    for x, y in zip(got, want):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
