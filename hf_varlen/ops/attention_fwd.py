@@ -13,8 +13,9 @@ Key blocks that every row of the tile sees entirely skip the mask. Rows that see
 and lse = +inf (so the backward's exp(s - lse) is 0 there). Non-finite input stays inside its
 document (docs/attention-numerics.md): masked blocks zero non-finite V rows (p is 0 on another
 document's keys, but 0 * NaN is not) and make NaN the rows that see one; a row that sees keys
-but ends with no positive weight (NaN, or only -inf scores) is NaN in o and lse. With ``KernelConfig.tma`` the K/V
-blocks come through tensor descriptors where the layout allows (attention_tma.py).
+but ends with no positive weight (NaN, or only -inf scores) is NaN in o and lse. With
+``KernelConfig.tma`` the K/V blocks come through tensor descriptors where the layout allows
+(attention_tma.py).
 
 Shapes: q (T_q, H_q, D), k/v (T_k, H_kv, D), o (T_q, H_q, D), lse (H_q, T_q) fp32,
 lo/hi (T_q,) int32, order (n_tiles + 1,) int32 (heaviest first, then one never-launched entry);
