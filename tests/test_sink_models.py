@@ -137,3 +137,23 @@ def test_backend_without_sinks_refused_by_name_and_skipped_by_auto(no_sinks_back
     assert calls == [1]
     out, _ = varlen_packed_forward(plain, q, q, q, None, s_aux=s_aux)  # auto skips it
     assert calls == [1] and torch.isfinite(out).all()
+
+
+def test_sink_model_padded_batch_matches_each_row_alone():
+    """A left-padded 2-D mask batch (the unpadding path) with sinks: non-pad tokens as eager."""
+    docs = _docs()[:2]
+    width = max(len(d) for d in docs)
+    ids = torch.zeros(2, width, dtype=torch.long)
+    mask = torch.zeros(2, width, dtype=torch.long)
+    for row, d in enumerate(docs):
+        ids[row, width - len(d) :], mask[row, width - len(d) :] = d, 1
+    with torch.no_grad():
+        got = _build("gpt_oss", ATTN, torch.float32)(input_ids=ids, attention_mask=mask).logits
+        got = torch.cat([got[r, width - len(d) :] for r, d in enumerate(docs)])
+        refs = []
+        for dtype in (torch.float64, torch.float32):
+            model = _build("gpt_oss", "eager", dtype)
+            refs.append(
+                torch.cat([model(input_ids=d[None], use_cache=False).logits[0] for d in docs])
+            )
+    assert_numerics("gpt_oss padded", got, refs[0], refs[1])
