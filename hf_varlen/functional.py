@@ -24,7 +24,14 @@ import torch
 from .backends import AttentionParams, Request, VarlenMetadata, resolve
 from .backends._common import traced
 from .backends.opaque import call_opaque
-from .ops.common import check_offsets, deterministic_requested, env_flag
+from .ops.common import (
+    attention_scale,
+    attention_softcap,
+    check_offsets,
+    check_sinks,
+    deterministic_requested,
+    env_flag,
+)
 
 
 def _check_cu(name: str, cu, device) -> None:
@@ -69,7 +76,9 @@ def validate_inputs(
     dropout_p,
     full: bool,
 ):
-    """Host-side checks; raises TypeError/ValueError naming the argument. Returns normalised ints."""
+    """Host-side checks; raises TypeError/ValueError naming the argument. Returns the normalised
+    (max_seqlen_q, max_seqlen_k, softmax_scale, softcap) (ops/common.py: attention_scale and
+    attention_softcap, the one policy of every backend)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -105,8 +114,8 @@ def validate_inputs(
         )
     max_q = _check_max("max_seqlen_q", max_seqlen_q)
     max_k = _check_max("max_seqlen_k", max_seqlen_k)
-    if softmax_scale is not None and not isinstance(softmax_scale, (int, float)):
-        raise TypeError(f"softmax_scale must be a float or None, got {softmax_scale!r}")
+    softmax_scale = attention_scale(softmax_scale, q.shape[2])
+    softcap = attention_softcap(softcap)
     if (
         not isinstance(window_size, (tuple, list))
         or len(window_size) != 2
@@ -115,14 +124,12 @@ def validate_inputs(
         raise ValueError(
             f"window_size must be a pair of ints >= -1 (left, right), got {window_size!r}"
         )
-    if softcap < 0:
-        raise ValueError(f"softcap must be >= 0 (0 disables it), got {softcap}")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     if full:
         check_offsets("cu_seqlens_q", cu_seqlens_q.tolist(), q.shape[0], max_q)
         check_offsets("cu_seqlens_k", cu_seqlens_k.tolist(), k.shape[0], max_k)
-    return max_q, max_k
+    return max_q, max_k, softmax_scale, softcap
 
 
 def varlen_attention(
@@ -142,6 +149,7 @@ def varlen_attention(
     deterministic: bool = False,
     backend: str = "auto",
     validate: bool | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention inside each packed document (FlashAttention-2 ``flash_attn_varlen_func`` semantics).
 
@@ -149,11 +157,13 @@ def varlen_attention(
         q: (T_q, H_q, D) packed queries. k, v: (T_k, H_kv, D); H_q must be a multiple of H_kv (GQA/MQA).
         cu_seqlens_q, cu_seqlens_k: int32 (n_docs + 1,) document offsets, on q's device.
         max_seqlen_q, max_seqlen_k: Python ints, the longest document (an upper bound is fine).
-        softmax_scale: defaults to D ** -0.5.
+        softmax_scale: defaults to D ** -0.5; a finite number >= 0 (NaN, inf and negative values
+            raise ValueError; docs/attention-numerics.md).
         causal: bottom-right aligned causal mask inside each document.
         window_size: (left, right) sliding window, -1 = unbounded (FA semantics: a query sees keys
             in [i - left, i + right]; with causal the right side is 0).
-        softcap: if > 0, scores become softcap * tanh(scores / softcap) (Gemma2).
+        softcap: if > 0, scores become softcap * tanh(scores / softcap) (Gemma2); 0 or inf = no
+            softcap (the formula's limit); NaN or negative raise ValueError.
         dropout_p: attention dropout probability (only backends that implement it accept > 0).
         deterministic: request a bitwise-repeatable backward (also FLASH_ATTENTION_DETERMINISTIC=1
             or torch.use_deterministic_algorithms(True)).
@@ -161,6 +171,9 @@ def varlen_attention(
             cannot serve the call raises; it never falls back silently. "auto" means the model's
             scoped backend (inside a model, ``set_backend(name, model=...)``), else the process
             default (``set_backend`` / $HF_VARLEN_BACKEND), else the first capable backend.
+        sinks: (H_q,) per-head attention-sink logits (gpt-oss's ``s_aux``; differentiable), or
+            None: each row's softmax denominator gets exp(sinks[h]) more, with no value. Served
+            by the backends whose spec says ``sinks`` (docs/attention-numerics.md).
         validate: run the checks that need a device sync; default from HF_VARLEN_VALIDATE (eager
             only: under torch.compile the variable is skipped and validate=True raises).
     Returns:
@@ -178,7 +191,7 @@ def varlen_attention(
         full = False
     else:
         full = env_flag("HF_VARLEN_VALIDATE") if validate is None else bool(validate)
-    max_q, max_k = validate_inputs(
+    max_q, max_k, softmax_scale, softcap = validate_inputs(
         q,
         k,
         v,
@@ -192,6 +205,7 @@ def varlen_attention(
         dropout_p,
         full,
     )
+    sinks = check_sinks(sinks, q)
     metadata = VarlenMetadata(cu_seqlens_q, cu_seqlens_k, max_q, max_k)
     params = AttentionParams.create(
         head_dim=q.shape[-1],
@@ -201,6 +215,7 @@ def varlen_attention(
         softcap=softcap,
         dropout_p=dropout_p,
         deterministic=deterministic_requested(deterministic),
+        sinks=sinks,
     )
     spec = resolve(backend, Request.for_call(q, k, v, metadata, params))
     if q.shape[0] == 0 or k.shape[0] == 0:

@@ -120,9 +120,16 @@ def test_flash_attn_entry_points_translate_fa2_arguments(monkeypatch):
     assert out.shape == (2, 7, 4, 8)
     assert calls[-1][0] == [0, 7, 14] and calls[-1][2] == 7 and calls[-1][4]["causal"] is False
 
-    for bad in ({"alibi_slopes": torch.ones(4)}, {"return_attn_probs": True}, {"s_aux": q}):
+    for bad in ({"alibi_slopes": torch.ones(4)}, {"return_attn_probs": True}):
         with pytest.raises(NotImplementedError):
             hub_attention.flash_attn_varlen_func(q, k, k, cu, cu, 4, 4, **bad)
+    # attention sinks are served (one logit per query head); any other shape is refused by name
+    sinks = torch.randn(4)
+    hub_attention.flash_attn_varlen_func(q, k, k, cu, cu, 4, 4, s_aux=sinks)
+    assert calls[-1][4]["sinks"] is sinks
+    monkeypatch.undo()  # the real varlen_attention checks the sinks
+    with pytest.raises(ValueError, match=r"sinks must have one logit per query head"):
+        hub_attention.flash_attn_varlen_func(q, k, k, cu, cu, 4, 4, s_aux=q)
     with pytest.raises(ValueError, match=r"\(B, T, H, D\)"):
         hub_attention.flash_attn_func(q, k, k)
 

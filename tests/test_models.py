@@ -210,14 +210,6 @@ def test_register_idempotent_and_set_attn_implementation():
     AutoModelForCausalLM.from_config(LlamaConfig(**COMMON), attn_implementation="varlen_custom")
 
 
-def test_sinks_rejected_loudly():
-    from hf_varlen.integrations.transformers import varlen_packed_forward
-
-    q = torch.randn(1, 2, 4, 16)
-    with pytest.raises(ValueError, match="attention sinks"):
-        varlen_packed_forward(torch.nn.Module(), q, q, q, None, s_aux=torch.zeros(2))
-
-
 def test_partial_collator_kwargs_rejected():
     from hf_varlen.integrations.transformers import varlen_packed_forward
 

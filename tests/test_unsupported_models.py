@@ -1,6 +1,6 @@
 """Loud where varlen_packed cannot be right (real transformers model classes, tiny configs, CPU).
+(Attention sinks, gpt-oss's s_aux, are served now: tests/test_sink_models.py.)
 
-- attention sinks (gpt-oss's s_aux): the first forward raises, naming the model;
 - a model whose attention needs a 4-D mask (DSA indexer: deepseek_v32, glm_moe_dsa) or that does
   not use transformers' attention interface (bloom, xglm, mpt; codegen, falcon and gptj up to
   transformers 5.24): the first forward raises from the mask function, before any layer runs;
@@ -80,13 +80,6 @@ def _tiny(model_type, **kw):
     cfg = AutoConfig.for_model(model_type, **kw)
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(cfg, attn_implementation=ATTN).eval()
-
-
-def test_attention_sinks_raise_at_first_forward_naming_the_model():
-    model = _tiny("gpt_oss", **LLAMA_LIKE, head_dim=16, num_local_experts=2, num_experts_per_tok=1)
-    check_model(model)  # the class is fine: sinks only show at the attention call
-    with pytest.raises(ValueError, match=r"attention sinks \(s_aux\).*'gpt_oss'.*GptOssAttention"):
-        model(input_ids=_ids())
 
 
 def _uses_attention_interface(model) -> bool:

@@ -72,7 +72,50 @@ def document_block_mask(cu_q, cu_k, total_q, total_k, *, causal, window_size):
     return _MASKS.get_or_compute((cu_q, cu_k), build, extra=(total_q, total_k, left, right))
 
 
+def _non_finite_rows(q, k, v, metadata, params) -> torch.Tensor:
+    """(T_q, H_q) bool: query rows that are non-finite or see a non-finite key/value row.
+
+    Each row sees one contiguous key interval [lo, hi] (attention_schedule.row_bounds, the
+    triton plan's rule), so "sees a bad row" is a difference of two prefix counts: O(T * H) work
+    on the device, no sync.
+    """
+    from ..ops.attention_schedule import row_bounds
+
+    group = q.shape[1] // k.shape[1]
+    bad_q = ~torch.isfinite(q).all(-1)
+    bad_kv = ~(torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1))  # (T_k, H_kv)
+    counts = torch.nn.functional.pad(bad_kv.int().cumsum(0), (0, 0, 1, 0))  # (T_k + 1, H_kv)
+    lo, hi, _, _ = row_bounds(
+        metadata.cu_seqlens_q, metadata.cu_seqlens_k, q.shape[0], k.shape[0], *params.window
+    )
+    seen = lo <= hi
+    first = torch.where(seen, lo, 0).long()
+    last = torch.where(seen, hi + 1, 0).long()
+    sees_bad = ((counts[last] - counts[first]) > 0) & seen[:, None]  # (T_q, H_kv)
+    return bad_q | sees_bad.repeat_interleave(group, dim=1)
+
+
+def _finite(x: torch.Tensor) -> torch.Tensor:
+    return torch.where(torch.isfinite(x), x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
 def flex_backend(q, k, v, metadata, params):
+    """FlexAttention over cleaned inputs, plus the NaN of the rows that saw a non-finite value.
+
+    FlexAttention multiplies masked-off probabilities (0) with other documents' V rows, and its
+    backward multiplies masked dS with their Q / K rows and exp(s - lse) with a NaN lse: one
+    non-finite value would reach every document of the pack. So the kernel gets q, k, v with
+    non-finite entries zeroed, and the rows that see one (``_non_finite_rows``) get
+    ``NaN * q[..., :1]`` added: NaN in the output, NaN in those rows' dq, an exact 0 everywhere
+    else (docs/attention-numerics.md).
+    """
+    poison = torch.where(_non_finite_rows(q, k, v, metadata, params), float("nan"), 0.0)
+    q_clean = _finite(q)
+    out = _flex_call(q_clean, _finite(k), _finite(v), metadata, params)
+    return out + (poison.to(q.dtype)[..., None] * q_clean[..., :1]).to(out.dtype)
+
+
+def _flex_call(q, k, v, metadata, params):
     attn = _flex_attention(q.device.type)
     t_q = q.shape[0]
     # Pad the token axis to a multiple of the 128-token block: FlexAttention's compiled kernels have
@@ -103,6 +146,12 @@ def flex_backend(q, k, v, metadata, params):
         def score_mod(score, b, h, qi, ki):
             return softcap * torch.tanh(score / softcap)
 
+    sinks = params.sinks
+    extra = {}
+    if sinks is not None:
+        from torch.nn.attention.flex_attention import AuxRequest
+
+        extra["return_aux"] = AuxRequest(lse=True)
     out = attn(
         q.transpose(0, 1).unsqueeze(0),
         k.transpose(0, 1).unsqueeze(0),
@@ -111,8 +160,16 @@ def flex_backend(q, k, v, metadata, params):
         block_mask=mask,
         scale=params.softmax_scale,
         enable_gqa=q.shape[1] != k.shape[1],
+        **extra,
     )
-    return out[0, :, :t_q].transpose(0, 1)
+    if sinks is None:
+        return out[0, :, :t_q].transpose(0, 1)
+    # Sinks from the log-sum-exp (differentiable in FlexAttention): exp(s_h) more in each row's
+    # denominator, no value: o' = o * sigmoid(lse - s), as ops/attention.apply_sinks does.
+    out, aux = out
+    lse = aux.lse[0, :, :t_q].float()  # (H_q, T_q), natural log; -inf where a row sees nothing
+    scale = torch.sigmoid(lse - sinks.float()[:, None]).t()[:, :, None]
+    return (out[0, :, :t_q].transpose(0, 1).float() * scale).to(out.dtype)
 
 
 def _probe() -> str | None:
@@ -130,5 +187,5 @@ register_backend(BackendSpec(
     devices=frozenset({"cpu", "cuda"}),
     dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
     backward_devices=frozenset({"cuda"}),  # torch's FlexAttention has no CPU backward
-    sliding_window=True, softcap=True,
+    sliding_window=True, softcap=True, sinks=True,
 ))  # fmt: skip

@@ -6,8 +6,10 @@ directly, each would be a graph break (and a host sync). While compiling, ``varl
 calls them through
 
     torch.ops.hf_varlen.opaque_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-        max_seqlen_k, backend, left, right, softmax_scale, softcap, deterministic) -> out
-    torch.ops.hf_varlen.opaque_attention_backward(grad_out, q, k, v, <same>) -> (dq, dk, dv)
+        max_seqlen_k, backend, left, right, softmax_scale, softcap, deterministic, sinks=None)
+        -> out
+    torch.ops.hf_varlen.opaque_attention_backward(grad_out, q, k, v, <same>)
+        -> (dq, dk, dv, dsinks)   (dsinks: (H_q,), or an empty tensor without sinks)
 
 Shapes: q (T_q, H_q, D), k (T_k, H_kv, D), v (T_k, H_kv, D_v), out (T_q, H_q, D_v). The forward runs
 the backend's own function on the real tensors (same numbers as eager); the backward recomputes that
@@ -27,13 +29,16 @@ FORWARD = qualname("opaque_attention")
 BACKWARD = qualname("opaque_attention_backward")
 
 
-def _call(q, k, v, cu_q, cu_k, max_q, max_k, backend, left, right, scale, softcap, deterministic):
+def _call(
+    q, k, v, cu_q, cu_k, max_q, max_k, backend, left, right, scale, softcap, deterministic, sinks
+):
     from .registry import get_spec
 
     metadata = VarlenMetadata(cu_q, cu_k, max_q, max_k)
     params = AttentionParams(
-        window=(left, right), softmax_scale=scale, softcap=softcap, deterministic=deterministic
-    )
+        window=(left, right), softmax_scale=scale, softcap=softcap, deterministic=deterministic,
+        sinks=sinks,
+    )  # fmt: skip
     return get_spec(backend).fn(q, k, v, metadata, params)
 
 
@@ -52,9 +57,10 @@ def opaque_attention(
     softmax_scale: float,
     softcap: float,
     deterministic: bool,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     args = (max_seqlen_q, max_seqlen_k, backend, left, right, softmax_scale, softcap, deterministic)
-    out = _call(q, k, v, cu_seqlens_q, cu_seqlens_k, *args)
+    out = _call(q, k, v, cu_seqlens_q, cu_seqlens_k, *args, sinks)
     # a custom op may not return a view of its inputs (a backend may slice or view them)
     return out.clone() if out._base is not None else out
 
@@ -89,32 +95,39 @@ def opaque_attention_backward(
     softmax_scale: float,
     softcap: float,
     deterministic: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
+    sinks: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     args = (max_seqlen_q, max_seqlen_k, backend, left, right, softmax_scale, softcap, deterministic)
     with _autograd_enabled(), torch.enable_grad():
-        qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
-        out = _call(qq, kk, vv, cu_seqlens_q, cu_seqlens_k, *args)
-        grads = torch.autograd.grad(out, (qq, kk, vv), grad_out, allow_unused=True)
-    return tuple(
-        torch.zeros_like(t) if g is None else g.contiguous() for g, t in zip(grads, (q, k, v))
-    )
+        inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+        if sinks is not None:
+            inputs.append(sinks.detach().requires_grad_())
+        live_sinks = inputs[3] if sinks is not None else None
+        out = _call(*inputs[:3], cu_seqlens_q, cu_seqlens_k, *args, live_sinks)
+        grads = torch.autograd.grad(out, inputs, grad_out, allow_unused=True)
+    grads = [torch.zeros_like(t) if g is None else g.contiguous() for g, t in zip(grads, inputs)]
+    if sinks is None:
+        grads.append(q.new_empty(0))
+    return tuple(grads)
 
 
 @opaque_attention_backward.register_fake
 def _(grad_out, q, k, v, *args):
-    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+    sinks = args[-1] if len(args) == 11 else None
+    grads = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v)]
+    return (*grads, q.new_empty(0) if sinks is None else torch.empty_like(sinks))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, cu_q, cu_k, *args = inputs
-    ctx.save_for_backward(q, k, v, cu_q, cu_k)
+    q, k, v, cu_q, cu_k, *args, sinks = inputs
+    ctx.save_for_backward(q, k, v, cu_q, cu_k, sinks)
     ctx.args = args
 
 
 def _backward(ctx, grad_out):
-    q, k, v, cu_q, cu_k = ctx.saved_tensors
-    dq, dk, dv = opaque_attention_backward(grad_out, q, k, v, cu_q, cu_k, *ctx.args)
-    return (dq, dk, dv) + (None,) * 10
+    q, k, v, cu_q, cu_k, sinks = ctx.saved_tensors
+    dq, dk, dv, dsinks = opaque_attention_backward(grad_out, q, k, v, cu_q, cu_k, *ctx.args, sinks)
+    return (dq, dk, dv) + (None,) * 10 + (None if sinks is None else dsinks,)
 
 
 opaque_attention.register_autograd(_backward, setup_context=_setup_context)
@@ -133,5 +146,5 @@ def call_opaque(name: str, q, k, v, metadata: VarlenMetadata, params: AttentionP
     return opaque_attention(
         q, k, v, metadata.cu_seqlens_q, metadata.cu_seqlens_k, metadata.max_seqlen_q,
         metadata.max_seqlen_k, name, left, right, params.softmax_scale, params.softcap,
-        params.deterministic,
+        params.deterministic, params.sinks,
     )  # fmt: skip

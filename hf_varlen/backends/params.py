@@ -6,14 +6,15 @@ and hands them to the backend, so a backend never re-reads user keywords.
         indices_q/k (T_real,) int64 or None (only the transformers padding-mask path sets them).
     AttentionParams: window (left, right) with causality folded in (FA-2 semantics, -1 = unbounded,
         (-1, 0) = causal, (-1, -1) = full), softmax_scale (resolved float), softcap (0 = off),
-        dropout_p, deterministic (already resolved against the environment).
+        dropout_p, deterministic (already resolved against the environment), sinks ((H_q,)
+        per-head attention-sink logits, gpt-oss style, or None).
 
 This module sits below the backends and imports nothing from the public layer.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -47,6 +48,8 @@ class AttentionParams:
     softcap: float = 0.0
     dropout_p: float = 0.0
     deterministic: bool = False
+    # (H_q,) sink logits: exp(sinks[h]) joins each row's softmax denominator, with no value
+    sinks: torch.Tensor | None = field(default=None, compare=False)
 
     @classmethod
     def create(
@@ -59,6 +62,7 @@ class AttentionParams:
         softcap: float = 0.0,
         dropout_p: float = 0.0,
         deterministic: bool = False,
+        sinks: torch.Tensor | None = None,
     ) -> AttentionParams:
         """From already validated FA-2 style keywords (the one place causality is folded in)."""
         return cls(
@@ -67,6 +71,7 @@ class AttentionParams:
             softcap=float(softcap),
             dropout_p=float(dropout_p),
             deterministic=bool(deterministic),
+            sinks=sinks,
         )
 
     @property

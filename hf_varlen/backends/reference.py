@@ -17,7 +17,7 @@ def reference_backend(q, k, v, metadata, params):
     cu_q, cu_k, p = metadata.cu_seqlens_q, metadata.cu_seqlens_k, params
     return attention_reference(
         q, k, v, cu_q, cu_k, softmax_scale=p.softmax_scale, causal=p.causal,
-        window_size=p.window, softcap=p.softcap, dropout_p=p.dropout_p,
+        window_size=p.window, softcap=p.softcap, dropout_p=p.dropout_p, sinks=p.sinks,
     )  # fmt: skip
 
 
@@ -25,6 +25,6 @@ _EVERY_FLOAT = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.fl
 register_backend(BackendSpec(
     name="reference", fn=reference_backend, devices=frozenset({"cpu", "cuda"}), dtypes=_EVERY_FLOAT,
     description="pure PyTorch, one matmul-softmax-matmul per document (the test oracle)",
-    requires="nothing (CPU or GPU)", sliding_window=True, softcap=True, dropout=True,
+    requires="nothing (CPU or GPU)", sliding_window=True, softcap=True, dropout=True, sinks=True,
     traceable=False,  # host offsets: an opaque op under torch.compile
 ))  # fmt: skip

@@ -7,7 +7,8 @@ A backend is a function over packed tensors with FlashAttention-2 semantics
     q: (T_q, H_q, D)   k, v: (T_k, H_kv, D)   out: (T_q, H_q, D_v)   (T >= 1)
     metadata.cu_seqlens_q/k: (n_docs + 1,) int32 on q's device; metadata.max_seqlen_q/k: ints
     params.window: (left, right) with causality folded in ((-1, 0) = causal, (-1, -1) = full);
-    params.softmax_scale (float), .softcap (0 = off), .dropout_p, .deterministic (resolved);
+    params.softmax_scale (float), .softcap (0 = off), .dropout_p, .deterministic (resolved),
+    .sinks ((H_q,) attention-sink logits or None; only for backends whose spec says sinks=True);
     params.causal / params.sliding_window: derived views of the window.
 
 (``hf_varlen.backends.params``), plus a ``BackendSpec`` that says what it supports. The public
@@ -58,6 +59,7 @@ class BackendSpec:
     sliding_window: bool = False
     softcap: bool = False
     dropout: bool = False
+    sinks: bool = False  # per-head attention sinks (params.sinks; gpt-oss's s_aux), with gradient
     non_causal: bool = True
     deterministic: bool = True  # a bitwise-repeatable backward is available on request
     head_dim_multiple: int = 1
@@ -276,6 +278,7 @@ class Request:
     dropout: bool
     deterministic: bool = False
     needs_grad: bool = False
+    sinks: bool = False
     # (max_seqlen, total tokens, documents) of the pack: only "auto" reads it (LongDocumentsRule),
     # so an explicitly chosen backend adds no shape guard under torch.compile
     pack: tuple[int, int, int] | None = None
@@ -294,6 +297,7 @@ class Request:
             deterministic=params.deterministic,
             needs_grad=torch.is_grad_enabled()
             and (q.requires_grad or k.requires_grad or v.requires_grad),
+            sinks=params.sinks is not None,
             pack=(
                 max(metadata.max_seqlen_q, metadata.max_seqlen_k),
                 max(q.shape[0], k.shape[0]),
@@ -326,6 +330,8 @@ class Request:
             out.append("softcap")
         if self.dropout and not spec.dropout:
             out.append("dropout_p > 0")
+        if self.sinks and not spec.sinks:
+            out.append("attention sinks (sinks / s_aux)")
         if not self.causal and not spec.non_causal:
             out.append("causal=False")
         if self.head_dim % spec.head_dim_multiple:

@@ -32,6 +32,10 @@ def sdpa_backend(q, k, v, metadata, params):
         qd = q[q0:q1].transpose(0, 1).unsqueeze(0)  # (1, H_q, L_q, D)
         kd = k[k0:k1].transpose(0, 1).unsqueeze(0)
         vd = v[k0:k1].transpose(0, 1).unsqueeze(0)
+        if params.sinks is not None:
+            o = _with_sinks(qd, kd, vd, params, scale)
+            pieces.append(o[0].transpose(0, 1))
+            continue
         mask, is_causal = None, False
         if params.sliding_window or (params.causal and q1 - q0 != k1 - k0):
             mask = visibility_mask(
@@ -51,16 +55,47 @@ def sdpa_backend(q, k, v, metadata, params):
         )
         if mask is not None:  # rows that see no key: SDPA gives NaN, FA semantics give 0
             o = o.masked_fill(~mask.any(-1)[None, None, :, None], 0.0)
+        else:
+            # torch's fused CPU kernel turns a NaN query row into a finite output row (its
+            # gradients stay NaN). Adding 0 * q keeps a non-finite query visible, and adds an
+            # exact 0 (no change) everywhere else (docs/attention-numerics.md).
+            o = o + qd.mul(0.0).sum(-1, keepdim=True).to(o.dtype)
         pieces.append(o[0].transpose(0, 1))
     if not pieces:
         return q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])
     return torch.cat(pieces, dim=0)
 
 
+def _with_sinks(qd, kd, vd, params, scale):
+    """One document with attention sinks, exactly, through SDPA: one more key per head, first,
+    whose score is the sink logit and whose value is 0. SDPA has no per-head score bias, so the
+    head dim grows by one: q gets a 1 there, real keys a 0, the sink key sinks[h] / scale, so
+    q . k_sink * scale = sinks[h] and the real scores are unchanged; the sinks' gradient comes
+    through that entry. The sink key is visible to every row (a row that sees no real key gets
+    the zero value: zeros, as FA gives). GQA heads are expanded (one sink key per query head).
+
+    qd (1, H_q, L_q, D), kd / vd (1, H_kv, L_k, D / D_v) -> (1, H_q, L_q, D_v)."""
+    h_q, l_q, l_k = qd.shape[1], qd.shape[2], kd.shape[2]
+    group = h_q // kd.shape[1]
+    kd, vd = kd.repeat_interleave(group, dim=1), vd.repeat_interleave(group, dim=1)
+    sink = (params.sinks.to(qd.dtype) / scale)[None, :, None, None]  # (1, H_q, 1, 1)
+    q1 = torch.cat([qd, qd.new_ones(1, h_q, l_q, 1)], dim=-1)
+    k_real = torch.cat([kd, kd.new_zeros(1, h_q, l_k, 1)], dim=-1)
+    k_sink = torch.cat([kd.new_zeros(1, h_q, 1, kd.shape[-1]), sink], dim=-1)
+    k1 = torch.cat([k_sink, k_real], dim=2)
+    v1 = torch.cat([vd.new_zeros(1, h_q, 1, vd.shape[-1]), vd], dim=2)
+    visible = visibility_mask(l_q, l_k, causal=params.causal, window_size=params.window,
+                              device=qd.device)  # fmt: skip
+    mask = torch.cat([visible.new_ones(l_q, 1), visible], dim=1)
+    return F.scaled_dot_product_attention(
+        q1, k1, v1, attn_mask=mask, dropout_p=params.dropout_p, scale=scale
+    )
+
+
 register_backend(BackendSpec(
     name="sdpa", fn=sdpa_backend, description="torch SDPA once per document (host loop); the "
     "portable CPU path", requires="nothing (CPU or GPU)", devices=frozenset({"cpu", "cuda"}),
     dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64}),
-    sliding_window=True, dropout=True,  # no softcap: SDPA has no score hook
+    sliding_window=True, dropout=True, sinks=True,  # no softcap: SDPA has no score hook
     traceable=False,  # host offsets: an opaque op under torch.compile
 ))  # fmt: skip

@@ -24,6 +24,7 @@ def triton_backend(q, k, v, metadata, params):
     return triton_attention(
         q, k, v, metadata.cu_seqlens_q, metadata.cu_seqlens_k, softmax_scale=params.softmax_scale,
         window=params.window, softcap=params.softcap, deterministic=params.deterministic,
+        sinks=params.sinks,
     )  # fmt: skip
 
 
@@ -42,5 +43,5 @@ register_backend(BackendSpec(
     description="hf_varlen's Triton varlen flash attention (compact heaviest-first tiles, "
     "several documents per tile, GQA folding, deterministic backward)",
     devices=frozenset({"cuda"}), dtypes=frozenset({torch.float16, torch.bfloat16}),
-    max_head_dim=256, sliding_window=True, softcap=True,
+    max_head_dim=256, sliding_window=True, softcap=True, sinks=True,
 ))  # fmt: skip

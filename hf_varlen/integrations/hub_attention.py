@@ -41,15 +41,13 @@ def _as_int(value, name: str) -> int:
     return value
 
 
-def _unsupported(alibi_slopes, return_attn_probs, s_aux) -> None:
+def _unsupported(alibi_slopes, return_attn_probs) -> None:
     if alibi_slopes is not None:
         raise NotImplementedError(
             "hf_varlen attention does not support alibi_slopes (got a tensor)"
         )
     if return_attn_probs:
         raise NotImplementedError("hf_varlen attention does not return attention probabilities")
-    if s_aux is not None:
-        raise NotImplementedError("hf_varlen attention does not support attention sinks (s_aux)")
 
 
 def flash_attn_varlen_func(
@@ -74,7 +72,7 @@ def flash_attn_varlen_func(
     from hf_varlen import varlen_attention
     from hf_varlen.ops.common import causal_window
 
-    _unsupported(alibi_slopes, return_attn_probs, s_aux)
+    _unsupported(alibi_slopes, return_attn_probs)
     return varlen_attention(
         q,
         k,
@@ -89,6 +87,7 @@ def flash_attn_varlen_func(
         softcap=float(softcap or 0.0),
         dropout_p=float(dropout_p),
         deterministic=bool(deterministic),
+        sinks=s_aux,  # attention sinks, (H_q,) (gpt-oss): hf_varlen.varlen_attention(sinks=...)
     )
 
 

@@ -12,6 +12,8 @@ Where documents come from (first match wins; see hf_varlen.metadata):
   3. packed ``position_ids`` of a batch of one row whose positions restart (TRL <= 1.15, plain
      models); converted once per forward pass, shared by every layer;
   4. otherwise each row is one causal sequence.
+
+Attention sinks (``s_aux``, gpt-oss / granite_swa) go to ``varlen_attention(sinks=...)``.
 """
 
 from __future__ import annotations
@@ -245,13 +247,6 @@ def varlen_packed_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """AttentionInterface function for ``attn_implementation="varlen_packed"``."""
-    if kwargs.get("s_aux") is not None:
-        raise ValueError(
-            f"varlen_packed does not implement attention sinks (s_aux), which "
-            f"{_model_name(getattr(module, 'config', None))} needs in "
-            f"{type(module).__name__} (e.g. gpt-oss); use attn_implementation='eager' or a "
-            "FlashAttention-3 build for this model"
-        )
     # One dtype for q, k, v on every backend (fp32 weights under autocast mix them); the cast is
     # silent, as in transformers' FlashAttention path minus its once-per-process warning (no
     # logging inside a traced region).
@@ -268,6 +263,16 @@ def varlen_packed_forward(
         and not torch.compiler.is_compiling()
     ):
         _check_positions_reached(module, query, key)
+    if (
+        attention_mask is not None
+        and attention_mask.dim() == 2
+        and attention_mask.shape[1] < key.shape[2]
+    ):
+        # A static cache hands over all of its slots (max_cache_len) while the 2-D mask covers the
+        # tokens seen so far, which fill its first slots: the rest are empty (zeros), never to be
+        # attended to, and the mask's unpadding indices are laid out for its own length. Keep the
+        # filled slots, as transformers' FlashAttention path does.
+        key, value = key[:, :, : attention_mask.shape[1]], value[:, :, : attention_mask.shape[1]]
     meta = _metadata(query, key, attention_mask, kwargs)
     # (B, H, T, D) -> (B*T, H, D): a view for B == 1 (packed batches), a copy otherwise.
     q = query.transpose(1, 2).reshape(bsz * q_len, h_q, head_dim)
@@ -294,6 +299,9 @@ def varlen_packed_forward(
         softcap=float(softcap or 0.0),
         dropout_p=float(dropout or 0.0),
         backend=getattr(module, MODEL_BACKEND_ATTR, "auto"),  # set_backend(name, model=...)
+        # attention sinks (gpt-oss, granite_swa: one learned logit per query head); a backend
+        # without them is skipped by "auto" and refused by name when chosen explicitly
+        sinks=kwargs.get("s_aux"),
     )
     if meta.indices_q is not None:
         full = out.new_zeros(bsz * q_len, h_q, out.shape[-1])
@@ -317,7 +325,32 @@ def varlen_packed_mask(*args, **kwargs):
         if config is not None:
             _check_config(config)
         _remember_mask_call(kwargs)
-    return flash_attention_mask(*args, **kwargs)
+    mask = flash_attention_mask(*args, **kwargs)
+    if mask is None:
+        mask = _static_cache_prefix(*args, **kwargs)
+    return mask
+
+
+def _static_cache_prefix(
+    batch_size, q_length, kv_length, q_offset=0, kv_offset=0, *args, **kwargs
+) -> torch.Tensor | None:
+    """(B, n) all-True mask over a static cache's n filled slots, or None when every slot is.
+
+    A static cache hands every layer all of its max_cache_len slots, filled from slot 0 up to
+    the last query (n = q_offset + q_length). FlashAttention's mask function says None for an
+    unpadded batch, after which the empty slots (zeros) would count as keys: a query would give
+    them weight exp(0). A mask of the filled length makes the attention function keep only
+    those slots (as it does for a padded batch, whose mask has the same length), with the
+    queries as its last q_length columns. The static cache's q_offset is a 0-d tensor: reading
+    it is one host sync per forward (the padding-mask path already pays one). A dynamic cache has
+    exactly q_offset + q_length slots, and training (no cache) q_length: no mask there."""
+    if kv_offset != 0 or kv_length <= q_length:
+        return None
+    filled = int(q_offset) + q_length  # host read of the static cache's offset (see above)
+    if filled >= kv_length:
+        return None
+    device = q_offset.device if isinstance(q_offset, torch.Tensor) else kwargs.get("device")
+    return torch.ones(batch_size, filled, dtype=torch.bool, device=device)
 
 
 def register(name: str = DEFAULT_NAME) -> str:

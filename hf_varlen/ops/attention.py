@@ -15,6 +15,10 @@ documents share one tile behind a block-diagonal mask, query heads of a KV group
 tile, heavy tiles are launched first, and configs depend on head_dim/dtype only, so a new pack never
 recompiles. ``max_seqlen_*`` are accepted for API compatibility and never used.
 
+Attention sinks (gpt-oss): applied to the kernel's o and lse outside the kernels
+(``apply_sinks``); the backward kernels take the adjusted o and lse, and the sinks' gradient is
+one reduction (``sinks_grad``).
+
 Backward: by default a dQ kernel and a dK/dV kernel, no atomics, so bitwise deterministic and
 ``deterministic=True`` (or FLASH_ATTENTION_DETERMINISTIC=1, or torch's deterministic algorithms)
 costs nothing. A config with ``bwd_fused`` (attention_schedule.KernelConfig; off in the shipped
@@ -35,8 +39,6 @@ kernel), attention_bwd.py (backward kernels), attention_ops.py (torch.library op
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .attention_bwd import attention_backward
@@ -47,7 +49,13 @@ from .attention_schedule import (
     pick_config,
     pick_long_path,
 )
-from .common import causal_window, deterministic_requested
+from .common import (
+    attention_scale,
+    attention_softcap,
+    causal_window,
+    check_sinks,
+    deterministic_requested,
+)
 from .library import compiling
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -109,8 +117,6 @@ def _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softcap) -> No
         )
     if dropout_p != 0.0:
         raise ValueError(f"dropout_p > 0 is not supported by the triton backend, got {dropout_p}")
-    if softcap < 0:
-        raise ValueError(f"softcap must be >= 0 (0 = off), got {softcap}")
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -147,15 +153,43 @@ def backward_launch(
     )  # fmt: skip
 
 
+def apply_sinks(o: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor):
+    """Attention sinks from the kernel's result, outside the kernel (gpt-oss's ``s_aux``).
+
+    A sink adds exp(s_h) to each row's softmax denominator and no value. With L = exp(lse) the
+    row's own denominator: o' = o * L / (L + e^s) = o * sigmoid(lse - s) and
+    lse' = log(L + e^s) = logaddexp(lse, s). Rows that see no key (lse = +inf) stay zeros.
+    o (T_q, H_q, D), lse (H_q, T_q) fp32, sinks (H_q,) -> (o', lse')."""
+    s = sinks.float()[:, None]  # (H_q, 1)
+    scale = torch.sigmoid(lse - s)  # (H_q, T_q)
+    out = (o.float() * scale.t()[:, :, None]).to(o.dtype)
+    return out, torch.logaddexp(lse, s)
+
+
+def sinks_grad(do: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor):
+    """d loss / d sinks (H_q,) from the sink-adjusted o', lse' (``apply_sinks``).
+
+    The sink is one more softmax column with probability P_i = exp(s_h - lse'_i) and no value, so
+    its dP is 0 and its dS = P_i * (0 - delta_i), delta_i = rowsum(dO * o') (the kernels' delta):
+    d s_h = -sum_i exp(s_h - lse'_i) * delta_i over the rows of head h."""
+    delta = (do.float() * o.float()).sum(-1).t()  # (H_q, T_q)
+    p = torch.exp(sinks.float()[:, None] - lse)
+    return -(p * delta).sum(-1).to(sinks.dtype)
+
+
 class _TritonVarlenAttention(torch.autograd.Function):
     """The eager path: direct kernel launches, the plan cached on the cu_seqlens objects."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_q, cu_k, softmax_scale, left, right, softcap, deterministic):
+    def forward(
+        ctx, q, k, v, cu_q, cu_k, softmax_scale, left, right, softcap, deterministic, sinks
+    ):
         q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
         plan = get_plan(cu_q, cu_k, q.shape[0], k.shape[0], left, right)
         o, lse = forward_launch(q, k, v, plan, softmax_scale, softcap)
-        ctx.save_for_backward(q, k, v, o, lse)
+        if sinks is not None:  # the backward kernels then see the sink-adjusted o and lse
+            o, lse = apply_sinks(o, lse, sinks)
+        ctx.save_for_backward(q, k, v, o, lse, sinks)
         ctx.plan = plan
         ctx.args = (softmax_scale, softcap, deterministic)
         ctx.mark_non_differentiable(lse)
@@ -163,9 +197,12 @@ class _TritonVarlenAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, _dlse):
-        q, k, v, o, lse = ctx.saved_tensors
+        q, k, v, o, lse, sinks = ctx.saved_tensors
         dq, dk, dv = backward_launch(do, q, k, v, o, lse, ctx.plan, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None, None, None
+        dsinks = None
+        if sinks is not None and ctx.needs_input_grad[10]:
+            dsinks = sinks_grad(do, o, lse, sinks)
+        return dq, dk, dv, None, None, None, None, None, None, None, dsinks
 
 
 def triton_varlen_attention(
@@ -184,6 +221,7 @@ def triton_varlen_attention(
     dropout_p: float = 0.0,
     deterministic: bool | None = None,
     return_lse: bool = False,
+    sinks: torch.Tensor | None = None,
 ):
     """Varlen (packed) attention with FlashAttention-2 semantics, autograd-capable.
 
@@ -196,23 +234,26 @@ def triton_varlen_attention(
             [0, T] on the device, so they never read or write out of bounds; rows past cu[-1]
             give zeros.
         max_seqlen_q, max_seqlen_k: accepted for API compatibility; the kernel never needs them.
-        softmax_scale: defaults to D ** -0.5.
+        softmax_scale: defaults to D ** -0.5; a finite number >= 0 (else ValueError).
         causal: causal mask, bottom-right aligned when a document's L_q != L_k.
         window_size: (left, right) sliding window, -1 = unbounded; causal forces right = 0.
-        softcap: > 0 applies ``softcap * tanh(s / softcap)`` to the scaled scores (Gemma-2).
+        softcap: > 0 applies ``softcap * tanh(s / softcap)`` to the scaled scores (Gemma-2); 0 or
+            inf = no softcap; NaN or negative raise ValueError (docs/attention-numerics.md).
         dropout_p: must be 0 (dropout is not implemented; > 0 raises ValueError).
         deterministic: request a bitwise-repeatable backward (also $FLASH_ATTENTION_DETERMINISTIC
             or torch's deterministic mode): the atomic-free split backward (the default one, so
             at no cost), never the fused one with atomic dQ.
         return_lse: also return lse (H_q, T_q) fp32.
+        sinks: (H_q,) per-head attention-sink logits (gpt-oss ``s_aux``; differentiable), or None:
+            each row's softmax denominator gets exp(sinks[h]) more, with no value (lse includes it).
 
     Returns:
         out (T_q, H_q, D) in q's dtype, or (out, lse) with ``return_lse=True``. Queries that see no
         key (e.g. an empty window) give zeros.
     """
-    softcap = float(softcap or 0.0)
+    softcap = attention_softcap(softcap)  # the policy of every backend (ops/common.py)
     _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, float(dropout_p or 0.0), softcap)
-    scale = 1.0 / math.sqrt(q.shape[2]) if softmax_scale is None else float(softmax_scale)
+    scale = attention_scale(softmax_scale, q.shape[2])
     return triton_attention(
         q,
         k,
@@ -224,6 +265,7 @@ def triton_varlen_attention(
         softcap=softcap,
         deterministic=deterministic_requested(deterministic),
         return_lse=return_lse,
+        sinks=check_sinks(sinks, q),
     )
 
 
@@ -239,6 +281,7 @@ def triton_attention(
     softcap: float,
     deterministic: bool,
     return_lse: bool = False,
+    sinks: torch.Tensor | None = None,
 ):
     """``triton_varlen_attention`` on input that is already validated (the public
     ``hf_varlen.varlen_attention`` validates once, then its triton backend calls this).
@@ -251,13 +294,15 @@ def triton_attention(
     if compiling():  # traced: the registered op (attention_ops.py), which Inductor can see into
         q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
         out, lse = triton_attention_op(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right, softcap, deterministic
-        )
+            q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right, softcap, deterministic,
+            sinks,
+        )  # fmt: skip
         lse = lse.detach()  # as in eager: lse carries no gradient
     else:  # eager: no dispatcher round trip, plan cached across layers
         out, lse = _TritonVarlenAttention.apply(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right, softcap, deterministic
-        )
+            q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right, softcap, deterministic,
+            sinks,
+        )  # fmt: skip
     return (out, lse) if return_lse else out
 
 

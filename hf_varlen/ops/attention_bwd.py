@@ -72,13 +72,17 @@ def _dq_step(
                  BLOCK_D, EVEN_D, MASKED, TMA)  # fmt: skip
     qk = _dot(q, kt, IEEE)
     p = tl.exp2(_scores(qk, scale_a, scale_b, SOFTCAP) - lse2[:, None])
-    if MASKED:
-        vis = (cols[None, :] >= lo[:, None]) & (cols[None, :] <= hi[:, None])
-        p = tl.where(vis, p, 0.0)
     ds = p * (_dot(do, vt, IEEE) - delta[:, None])
     if SOFTCAP:
         t = _tanh(qk * scale_a)
         ds = ds * (1.0 - t * t)
+    if MASKED:
+        # dS is 0 off the mask, after every factor: a NaN in another document's V (dP) or lse
+        # must not survive as 0 * NaN; and its non-finite K rows are zeroed for dS K below
+        # (docs/attention-numerics.md). Unmasked blocks hold one document only.
+        vis = (cols[None, :] >= lo[:, None]) & (cols[None, :] <= hi[:, None])
+        ds = tl.where(vis, ds, 0.0)
+        kt = tl.where(kt * 0.0 != 0.0, tl.zeros_like(kt), kt)
     return dq + _dot(ds.to(kt.dtype), tl.trans(kt), IEEE)
 
 
@@ -248,9 +252,18 @@ def _dkdv_step(
     if SOFTCAP:
         t = _tanh(qkt * scale_a)
         dst = dst * (1.0 - t * t)
+    k_dq = k
+    if MASKED:
+        # Keep other documents' non-finite values out (docs/attention-numerics.md): dS is 0 off
+        # the mask after every factor (a NaN delta of another document's row), and their
+        # non-finite Q rows (and K rows, for the fused dQ) are zeroed for the products below.
+        dst = tl.where(vis, dst, 0.0)
+        q = tl.where(q * 0.0 != 0.0, tl.zeros_like(q), q)
+        if ATOMIC_DQ:
+            k_dq = tl.where(k * 0.0 != 0.0, tl.zeros_like(k), k)
     dk += _dot(dst.to(q.dtype), q, IEEE)
     if ATOMIC_DQ:  # this key tile's share of dQ = scale * dS K, added into the fp32 buffer
-        dq = _dot(tl.trans(dst.to(k.dtype)), k, IEEE) * sm_scale  # (BLOCK_M, BLOCK_D)
+        dq = _dot(tl.trans(dst.to(k.dtype)), k_dq, IEEE) * sm_scale  # (BLOCK_M, BLOCK_D)
         if TMA and not _INTERPRETED:  # one bulk reduction of the block (FA3's dQ scheme); its
             # rows past span_hi add exact zeros (dS is 0 there), rows past T are clipped
             DQ_DESC.atomic_add([start, head0_tma, 0], dq.reshape([TILE, FOLD, BLOCK_D]))

@@ -10,8 +10,12 @@ tile walks the keys [min lo, max hi] of its rows (attention_schedule.py) in step
     o = acc / l,   lse = ln(sum_j exp(s_j)) = (m + log2 l) * ln 2
 
 Key blocks that every row of the tile sees entirely skip the mask. Rows that see no key give o = 0
-and lse = +inf (so the backward's exp(s - lse) is 0 there). With ``KernelConfig.tma`` the K/V
-blocks come through tensor descriptors where the layout allows (attention_tma.py).
+and lse = +inf (so the backward's exp(s - lse) is 0 there). Non-finite input stays inside its
+document (docs/attention-numerics.md): masked blocks zero non-finite V rows (p is 0 on another
+document's keys, but 0 * NaN is not) and make NaN the rows that see one; a row that sees keys
+but ends with no positive weight (NaN, or only -inf scores) is NaN in o and lse. With
+``KernelConfig.tma`` the K/V blocks come through tensor descriptors where the layout allows
+(attention_tma.py).
 
 Shapes: q (T_q, H_q, D), k/v (T_k, H_kv, D), o (T_q, H_q, D), lse (H_q, T_q) fp32,
 lo/hi (T_q,) int32, order (n_tiles + 1,) int32 (heaviest first, then one never-launched entry);
@@ -114,7 +118,7 @@ def _fwd_step(
     p = tl.exp2(s - m_use[:, None])
     alpha = tl.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, 1)
-    if TMA:  # p is 0 on the masked keys, whatever their V rows hold
+    if TMA:  # p is 0 on the masked keys; their V rows are cleaned below
         v = _desc_rows(V_DESC, start, kv_head_tma, BLOCK_N, 1, BLOCK_D)
     else:
         v = _load(
@@ -124,6 +128,17 @@ def _fwd_step(
             MASKED,
             EVEN_D,
         )
+    if MASKED:
+        # Only a masked block can hold keys of several documents. p is 0 on another document's
+        # keys, but 0 * NaN (or inf) in the dot below is NaN: non-finite V rows are zeroed here,
+        # and the rows that do see one are made NaN through l_i (sticky; the tile's end turns a
+        # non-finite l_i into NaN o and lse). Unmasked blocks are seen whole by every row, so
+        # IEEE arithmetic carries a non-finite V there by itself.
+        v_bad = v * 0.0 != 0.0  # NaN or +-inf
+        v = tl.where(v_bad, tl.zeros_like(v), v)
+        col_bad = tl.max(v_bad.to(tl.int32), 1) > 0
+        row_bad = tl.max((vis & col_bad[None, :]).to(tl.int32), 1) > 0
+        l_i = tl.where(row_bad, float("nan"), l_i)
     acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
     return acc, m_new, l_i
 
@@ -200,6 +215,13 @@ def _fwd_tile(
     l_safe = tl.where(seen, l_i, 1.0)
     out = acc / l_safe[:, None]
     lse = tl.where(seen, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("inf"))
+    # A row that sees keys but has no positive weight is not an empty row: its l_i is NaN (it
+    # met a NaN, or a non-finite V above), or every score it sees is -inf (IEEE softmax: 0 / 0).
+    # It is NaN in o and lse, never zeros (docs/attention-numerics.md); the backward then keeps
+    # the NaN inside the document (p = exp(s - NaN) is masked off for other documents' keys).
+    poisoned = (~seen) & (lo <= hi)
+    out = tl.where(poisoned[:, None], float("nan"), out)
+    lse = tl.where(poisoned, float("nan"), lse)
     tl.store(
         O + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
         out.to(O.dtype.element_ty),

@@ -1,7 +1,8 @@
 """The Triton varlen attention as ``torch.library`` ops (what torch.compile calls).
 
     torch.ops.hf_varlen.triton_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale,
-        left, right, softcap, deterministic) -> (out (T_q, H_q, D), lse (H_q, T_q) fp32)
+        left, right, softcap, deterministic, sinks=None) -> (out (T_q, H_q, D), lse (H_q, T_q) fp32)
+        (with sinks (H_q,): out and lse include them, attention.apply_sinks)
     torch.ops.hf_varlen.triton_attention_backward(do, q, k, v, out, lse, cu_seqlens_q,
         cu_seqlens_k, softmax_scale, left, right, softcap, deterministic) -> (dq, dk, dv)
 
@@ -25,7 +26,7 @@ import torch
 from torch import Tensor
 
 from ._triton_common import INTERPRET
-from .attention import backward_launch, forward_launch
+from .attention import apply_sinks, backward_launch, forward_launch, sinks_grad
 from .attention_schedule import get_plan
 from .library import qualname
 
@@ -45,9 +46,11 @@ def _forward(
     right: int,
     softcap: float,
     deterministic: bool,
+    sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     plan = get_plan(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], left, right)
-    return forward_launch(q, k, v, plan, softmax_scale, softcap, traceable=_TRACEABLE)
+    out, lse = forward_launch(q, k, v, plan, softmax_scale, softcap, traceable=_TRACEABLE)
+    return (out, lse) if sinks is None else apply_sinks(out, lse, sinks)
 
 
 def _backward(
@@ -89,27 +92,29 @@ else:
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, cu_q, cu_k, *args = inputs
+    q, k, v, cu_q, cu_k, *args, sinks = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, sinks)
     ctx.args = args  # softmax_scale, left, right, softcap, deterministic
 
 
 def _autograd_backward(ctx, do, _dlse):
-    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+    q, k, v, out, lse, cu_q, cu_k, sinks = ctx.saved_tensors
     if do.stride(-1) != 1:
         do = do.contiguous()
+    # out / lse already carry the sinks: the kernels need nothing more (attention.apply_sinks)
     dq, dk, dv = backward_op(do, q, k, v, out, lse, cu_q, cu_k, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None, None, None
+    dsinks = None if sinks is None else sinks_grad(do, out, lse, sinks)
+    return dq, dk, dv, None, None, None, None, None, None, None, dsinks
 
 
 forward_op.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 
 def triton_attention_op(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right, softcap,
-                        deterministic):  # fmt: skip
+                        deterministic, sinks=None):  # fmt: skip
     """(out, lse) through the registered forward op (differentiable via register_autograd)."""
     return forward_op(
         q, k, v, cu_seqlens_q, cu_seqlens_k, float(softmax_scale), int(left), int(right),
-        float(softcap), bool(deterministic),
+        float(softcap), bool(deterministic), sinks,
     )  # fmt: skip

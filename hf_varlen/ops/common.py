@@ -10,12 +10,16 @@ package), and everything above ``ops/`` may import from it; so each helper is de
 ``IGNORE_INDEX``: the label value the loss skips (-100, as in transformers and torch).
 ``causal_window(causal, window_size)``: the FA (left, right) window with causality folded in.
 ``check_offsets(name, offsets, total, max_len)``: the full cu_seqlens check on a host list.
+``attention_scale(value, head_dim)`` / ``attention_softcap(value)``: the one policy for
+    softmax_scale and softcap on every attention backend (docs/attention-numerics.md).
+``check_sinks(sinks, q)``: the attention-sink logits argument checked (None or (H_q,) float).
 ``clamp_offsets(cu, total)``: cu_seqlens made memory-safe on the device (no sync).
 ``TensorCache``: a small cache keyed on tensor identity + version (values derived once per batch).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import weakref
 from collections import OrderedDict
@@ -65,6 +69,56 @@ def causal_window(causal: bool, window_size) -> tuple[int, int]:
     """
     left, right = (int(w) for w in window_size)
     return (left, 0) if causal else (left, right)
+
+
+def attention_scale(value, head_dim: int) -> float:
+    """softmax_scale as a float: None -> head_dim ** -0.5; else a finite number >= 0 (0 is
+    uniform attention over the visible keys). NaN, inf and negative values raise ValueError
+    naming the argument: each backend would give them a different meaning (or none)."""
+    if value is None:
+        return head_dim**-0.5
+    if isinstance(value, bool) or not isinstance(value, (Integral, float)):
+        raise TypeError(f"softmax_scale must be a float or None, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(
+            f"softmax_scale must be a finite number >= 0 (None = head_dim ** -0.5), got {value}"
+        )
+    return value
+
+
+def attention_softcap(value) -> float:
+    """softcap as a float: None or 0 -> 0.0 (off); a finite number > 0 caps the scores at
+    +-softcap (softcap * tanh(s / softcap)); +inf -> 0.0, the limit of that formula (no cap).
+    NaN and negative values raise ValueError naming the argument."""
+    if value is None:
+        return 0.0
+    if isinstance(value, bool) or not isinstance(value, (Integral, float)):
+        raise TypeError(f"softcap must be a float (0 = off), got {value!r}")
+    value = float(value)
+    if math.isnan(value) or value < 0:
+        raise ValueError(
+            f"softcap must be >= 0 (0 or inf = no softcap, as softcap * tanh(s / softcap) -> s), "
+            f"got {value}"
+        )
+    return 0.0 if math.isinf(value) else value
+
+
+def check_sinks(sinks, q: torch.Tensor) -> torch.Tensor | None:
+    """None, or ``sinks`` checked: a floating (H_q,) tensor on q's device (else an error naming
+    it, before any launch)."""
+    if sinks is None:
+        return None
+    if not isinstance(sinks, torch.Tensor) or not sinks.dtype.is_floating_point:
+        raise TypeError(f"sinks must be a floating-point tensor of shape (H_q,), got {sinks!r}")
+    if tuple(sinks.shape) != (q.shape[1],):
+        raise ValueError(
+            f"sinks must have one logit per query head, shape ({q.shape[1]},), got "
+            f"{tuple(sinks.shape)}"
+        )
+    if sinks.device != q.device:
+        raise ValueError(f"sinks must be on q's device ({q.device}), got {sinks.device}")
+    return sinks
 
 
 def check_offsets(name: str, offsets: list[int], total: int, max_len: int | None = None) -> None:
@@ -117,8 +171,13 @@ class TensorCache:
 
     Every layer of one forward pass (and its backward) receives the *same* tensor objects
     (cu_seqlens, position_ids, the padding mask), so a value derived from them is computed once per
-    batch, not once per layer. Contents are never hashed; an in-place edit of a key tensor bumps its
-    version and misses. ``size`` entries are kept, least recently used dropped first. Under
+    batch, not once per layer. An in-place edit of a key tensor bumps its version and misses. Some
+    edits do not bump it: through the numpy array behind ``torch.from_numpy``, or through
+    ``t.data[...] = ...`` (``.data`` has a version counter of its own). For CPU key tensors the
+    entry therefore also keeps a copy of their values and a hit must match them (``torch.equal``
+    on the host: offsets, positions and masks are small next to the work they save); CUDA key
+    tensors are not compared (that would be a device sync per layer on the hot path), so there
+    a new batch must come in new tensors or through ordinary in-place ops (every collator does). ``size`` entries are kept, least recently used dropped first. Under
     ``torch.compile`` tracing nothing is cached (identity means nothing to a traced graph), nor for
     inference-mode tensors (they have no version counter, so an in-place edit could not be seen),
     nor while a CUDA graph is captured (``capturing``).
@@ -147,8 +206,10 @@ class TensorCache:
         hit = None if key is None else self._entries.get(key)
         if hit is None:
             return None
-        refs, value = hit
-        if any(r() is not t for r, t in zip(refs, tensors)):  # id reused by a new tensor
+        refs, snapshots, value = hit
+        if any(r() is not t for r, t in zip(refs, tensors)) or not all(
+            s is None or torch.equal(s, t) for s, t in zip(snapshots, tensors)
+        ):  # id reused by a new tensor, or a CPU tensor edited behind its version counter
             del self._entries[key]
             return None
         self._entries.move_to_end(key)
@@ -165,7 +226,11 @@ class TensorCache:
             return value
         if key is None:
             return value
-        self._entries[key] = (refs, value)
+        snapshots = [
+            t.detach().clone() if type(t) is torch.Tensor and t.device.type == "cpu" else None
+            for t in tensors
+        ]
+        self._entries[key] = (refs, snapshots, value)
         self._entries.move_to_end(key)
         while len(self._entries) > self.size:
             self._entries.popitem(last=False)

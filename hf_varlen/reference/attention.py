@@ -10,7 +10,13 @@ rows cu[i]:cu[i+1]. Output (T_q, H_q, D_v). Semantics are FlashAttention-2's:
     i + shift - left <= j <= i + shift + right (-1 = unbounded on that side)
     o_i = sum_j softmax(s)_ij v_j                 (softmax in at least fp32, as HF eager does)
 
-Queries that see no key produce zeros. The computation runs per document in the input dtype (the
+With attention sinks (``sinks``: (H_q,) one learned logit per query head, gpt-oss style), the
+softmax denominator gets one more term exp(sinks[h]) that carries no value:
+o_i = sum_j exp(s_ij) v_j / (exp(sinks[h]) + sum_j exp(s_ij)).
+
+Queries that see no key produce zeros. Non-finite input is not cleaned up (docs/attention-numerics.md):
+the arithmetic is IEEE inside each document, so a NaN stays a NaN, and it never reaches another
+document (each one is computed alone). The computation runs per document in the input dtype (the
 "low precision reference"; fp16/bf16 softmax in fp32); pass fp32/fp64 inputs for the
 high-precision one (fp64 in, fp64 math throughout). Offsets are checked (they are on the host):
 malformed cu_seqlens raise ValueError.
@@ -21,7 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..ops.common import causal_window, check_offsets
+from ..ops.common import attention_scale, attention_softcap, causal_window, check_offsets
 
 
 def visibility_mask(
@@ -51,11 +57,15 @@ def attention_reference(
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     dropout_p: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Per-document attention in plain PyTorch (autograd-capable). See the module docstring."""
+    """Per-document attention in plain PyTorch (autograd-capable). See the module docstring.
+
+    ``sinks``: (H_q,) per-head sink logits (any float dtype; differentiable), or None."""
     h_q, h_kv = q.shape[1], k.shape[1]
     group = h_q // h_kv
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    scale = attention_scale(softmax_scale, q.shape[-1])  # one policy for every backend
+    softcap = attention_softcap(softcap)
     bounds_q = cu_seqlens_q.tolist()
     bounds_k = cu_seqlens_k.tolist()
     check_offsets("cu_seqlens_q", bounds_q, q.shape[0])
@@ -86,8 +96,15 @@ def attention_reference(
             q1 - q0, k1 - k0, causal=causal, window_size=window_size, device=q.device
         )
         s = s.masked_fill(~mask, float("-inf"))
+        if sinks is not None:  # one more column per head: the sink's logit, dropped after softmax
+            sink = sinks.to(s.dtype)[:, None, None].expand(h_q, q1 - q0, 1)
+            s = torch.cat([s, sink], dim=-1)
         p = torch.softmax(s, dim=-1, dtype=softmax_dtype)
-        p = torch.nan_to_num(p, nan=0.0)  # rows that see no key -> zeros, like FA
+        if sinks is not None:
+            p = p[..., :-1]
+        # Rows that see no key -> zeros, like FA. Only those: a NaN that comes from the input
+        # stays a NaN (a blanket nan_to_num would turn a poisoned row into a finite one).
+        p = p.masked_fill(~mask.any(-1)[None, :, None], 0.0)
         p = p.to(q.dtype)
         if dropout_p > 0:
             p = F.dropout(p, p=dropout_p, training=True)
