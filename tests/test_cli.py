@@ -605,3 +605,33 @@ def test_missing_optional_package_names_its_extra(tmp_path, monkeypatch, flags, 
     cfg = parse_args(["--output-dir", str(tmp_path), *flags])
     with pytest.raises(ImportError, match=rf"pip install 'hf_varlen\[{extra}\]'"):
         cfg.validate()
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_hub_without_such_model_is_exit_2_naming_the_option(tmp_path, capsys, monkeypatch, gated):
+    """Online, the Hub answers 404 (or gated); transformers re-raises it as a bare OSError."""
+    import httpx2
+    import transformers
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    from hf_varlen.training import model
+
+    url = "https://huggingface.co/api/models/no-such-org/no-such-model"
+    answer = httpx2.Response(404, request=httpx2.Request("GET", url))
+    error = (GatedRepoError if gated else RepositoryNotFoundError)("404", response=answer)
+
+    def from_pretrained(*args, **kwargs):
+        try:
+            raise error
+        except RepositoryNotFoundError as exc:
+            raise OSError("no-such-org/no-such-model is not a local folder and ...") from exc
+
+    monkeypatch.setattr(model, "hub_access", lambda *a, **k: {})  # as if the Hub were reachable
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", from_pretrained)
+    argv = ["train", "--model", "no-such-org/no-such-model", "--output-dir", str(tmp_path)]
+    code, _, err = run_cli(capsys, *argv)
+    assert code == 2
+    lines = _error_lines(err)
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("hf-varlen: error: --model 'no-such-org/no-such-model': ")
+    assert ("hf auth login" in lines[0]) and (("gated" in lines[0]) is gated)
