@@ -87,8 +87,9 @@ class TrainConfig:
     )
     max_examples: int | None = _opt(None, "use only the first N examples of the dataset")
     builtin_examples: int = _opt(
-        400,
-        "number of examples the built-in dataset generates (400: about a minute on 2 CPU cores)",
+        300,
+        "number of examples the built-in dataset generates (300: the main job, about a minute "
+        "on 2 CPU cores)",
     )
     max_length: int = _opt(1024, "truncate each example to this many tokens")
     tokens_per_batch: int | None = _opt(
