@@ -8,10 +8,16 @@ micro-batches and ranks: ``average_tokens_across_devices``), and the collator ma
 example's first label, so no token is trained to predict across an example boundary. The loss is
 hf_varlen's fused linear cross-entropy where ``hf-varlen train`` would use it (``--fused-loss``).
 
-    python examples/hf_trainer.py                                  # tiny model, built-in data
-    python examples/hf_trainer.py --dataset ../shared/data/alpaca/alpaca_5000.json \\
-        --tokenizer ../shared/data/tokenizers/qwen2 --batch-size 8 --max-steps 20
-    python examples/hf_trainer.py --model Qwen/Qwen2.5-0.5B --dataset tatsu-lab/alpaca
+Needs: the base install only. By default it runs offline: a tiny random-init Llama, the built-in
+byte tokenizer and the built-in demo instructions (no downloads; about a minute on 2 CPU cores).
+Your own data is a local alpaca / chat / text .json, .jsonl or .parquet file; a Hub model or
+dataset id needs the network once (and a Hub dataset the ``datasets`` package:
+``pip install 'hf_varlen[trl]'`` brings it).
+
+    python examples/hf_trainer.py                                  # offline: tiny model, demo data
+    python examples/hf_trainer.py --dataset my_alpaca.json --tokenizer ./my-tokenizer \\
+        --batch-size 8 --max-steps 20                              # your own files
+    python examples/hf_trainer.py --model Qwen/Qwen2.5-0.5B --dataset tatsu-lab/alpaca  # network
 
 (``hf-varlen train`` does the same with token-budget batches balanced across ranks.)
 """

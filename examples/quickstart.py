@@ -2,6 +2,8 @@
 
     python examples/quickstart.py            # CPU: well under a minute; uses the GPU if present
 
+Needs: the base install only; no network and no data files (the model is built from a config).
+
 Built-in deterministic data (no downloads): documents of random lengths whose tokens follow simple
 learnable rules (counting with a per-document stride), packed by token budget with
 ``hf_varlen.pack_by_tokens`` and flattened by ``hf_varlen.PackingCollator``. The model runs with

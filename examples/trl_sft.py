@@ -1,5 +1,10 @@
 """TRL ``SFTTrainer`` on packed, padding-free batches with ``attn_implementation="varlen_packed"``.
 
+Needs: the ``trl`` extra (``pip install 'hf_varlen[trl]'``: TRL and ``datasets``). By default it
+runs offline: a tiny random-init Llama, the built-in byte tokenizer and hf_varlen's built-in demo
+instructions (no downloads, about a minute on 2 CPU cores). ``--model`` / ``--tokenizer`` /
+``--dataset`` take your own local folders and files, or Hub ids (those need the network once).
+
 TRL refuses a custom collator in its padding-free modes, so nothing of hf_varlen's data path is
 used here: TRL's own ``DataCollatorForLanguageModeling(padding_free=True)`` flattens each batch to
 one ``[1, T]`` row and, from TRL 1.16 on, also passes ``cu_seq_lens_q/k`` + ``max_length_q/k``;
@@ -20,17 +25,16 @@ Mixed precision is TRL's default (``bf16=True``: bf16 autocast over fp32 weights
 but the loss is hf_varlen's fused linear cross-entropy instead of TRL's fused LM head (no
 ``entropy`` / ``mean_token_accuracy`` in the logs; see that module).
 
-    python examples/trl_sft.py --dataset ../shared/data/alpaca/alpaca_5000.json \\
-        --tokenizer ../shared/data/tokenizers/qwen2 --mode bfd --max-steps 20 --fused-loss
+    python examples/trl_sft.py                                   # offline: tiny model, demo data
+    python examples/trl_sft.py --dataset my_alpaca.json --mode bfd --max-steps 20 --fused-loss
     python examples/trl_sft.py --model Qwen/Qwen2.5-0.5B --dataset tatsu-lab/alpaca \\
-        --mode padding_free --batch-size 16 --max-length 1024 --fused-loss
+        --mode padding_free --batch-size 16 --max-length 1024 --fused-loss   # network, GPU
 
-The first takes about 80 s on a 2-core CPU (shared, load 5; without ``--fused-loss``, TRL's head
-under CPU bf16 autocast takes about 190 s): the tiny model still has the tokenizer's 151,936-entry
-vocabulary, so the LM head dominates and the defaults keep a step small (4 examples, or 4 rows of
-up to 128 tokens). With the same examples in one step, every mode gives the
-same per-token loss (tests/test_trl.py), and ``--fused-loss`` the same loss as TRL's head
-(tests/test_trl_fused_loss.py).
+With a real tokenizer the tiny model has the tokenizer's vocabulary (151,936 entries for Qwen2's),
+so its LM head dominates on a CPU: the defaults keep a step small (4 examples, or 4 rows of up to
+128 tokens), and ``--fused-loss`` is the faster loss there. With the same examples in one step,
+every mode gives the same per-token loss (tests/test_trl.py), and ``--fused-loss`` the same loss as
+TRL's head (tests/test_trl_fused_loss.py).
 """
 
 from __future__ import annotations
@@ -40,23 +44,37 @@ import json
 import math
 import os
 
+try:  # first: without the extra this says so at once, in one line rather than a traceback
+    from datasets import Dataset, load_dataset
+    from trl import SFTConfig, SFTTrainer
+except ImportError as exc:
+    raise SystemExit(
+        f"examples/trl_sft.py needs TRL and datasets ({exc.name} is missing): "
+        "pip install 'hf_varlen[trl]'"
+    ) from None
+
 import torch
-from datasets import Dataset, load_dataset
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-from trl import SFTConfig, SFTTrainer
 
 import hf_varlen
 from hf_varlen.integrations.trl import VarlenSFTTrainer
+from hf_varlen.training.builtin import builtin_records, byte_tokenizer
 
 MODES = ("padding_free", "bfd", "position_ids", "padded")
 PACKED_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 
 
 def alpaca_dataset(path_or_id: str, n: int | None = None) -> Dataset:
-    """Alpaca records (instruction / input / output) as TRL prompt-completion pairs."""
-    if os.path.exists(path_or_id):
+    """Alpaca records (instruction / input / output) as TRL prompt-completion pairs: "builtin"
+    (hf_varlen's demo instructions, offline), a local .json / .jsonl file, or a Hub dataset id."""
+    if path_or_id == "builtin":
+        records = builtin_records(n or 512)
+    elif os.path.exists(path_or_id):
         with open(path_or_id, encoding="utf-8") as fh:
-            records = json.load(fh)
+            if path_or_id.endswith(".jsonl"):
+                records = [json.loads(line) for line in fh if line.strip()]
+            else:
+                records = json.load(fh)
     else:
         records = load_dataset(path_or_id, split="train").to_list()
     records = records[:n] if n else records
@@ -168,8 +186,14 @@ def make_trainer(
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny-llama", help="hub id, local dir, or tiny-llama")
-    p.add_argument("--tokenizer", default=None, help="default: the model's")
-    p.add_argument("--dataset", required=True, help="alpaca-style .json file or hub id")
+    p.add_argument(
+        "--tokenizer", default=None, help="default: the model's (the byte tokenizer for tiny-llama)"
+    )
+    p.add_argument(
+        "--dataset",
+        default="builtin",
+        help="builtin (offline demo data), an alpaca-style .json/.jsonl file, or a Hub id",
+    )
     p.add_argument("--examples", type=int, default=512, help="use the first N examples")
     p.add_argument("--mode", choices=MODES, default="padding_free")
     p.add_argument("--batch-size", type=int, default=4, help="examples (bfd: packed rows) per step")
@@ -195,7 +219,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--output-dir", default="runs/trl_sft")
     args = p.parse_args(argv)
 
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
+    if args.tokenizer is None and args.model == "tiny-llama":
+        tokenizer = byte_tokenizer()  # offline: no tokenizer download for the tiny model
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
     model = load_model(args.model, tokenizer, args.mode)
     lr = args.lr or (1e-3 if args.model == "tiny-llama" else 2e-5)
     trainer = make_trainer(

@@ -69,7 +69,8 @@ def test_bad_flag_value_is_argparse_exit_2(capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["train", "--max-steps", "many"])
     assert exit_info.value.code == 2
-    assert "hf-varlen train: error: argument --max-steps" in capsys.readouterr().err
+    # every CLI error is one `hf-varlen: error:` line (issue 44), argparse's too
+    assert "hf-varlen: error: argument --max-steps" in capsys.readouterr().err
 
 
 def test_unknown_command_exit_2(capsys):
@@ -102,16 +103,14 @@ def test_debug_shows_the_traceback(tmp_path, capsys, monkeypatch, how):
 
 
 def test_errors_from_other_libraries_keep_their_type():
-    try:
+    with pytest.raises(ValueError) as json_error:
         json.loads("{")
-    except ValueError as exc:
-        assert cli._message(exc).startswith("JSONDecodeError: ")
+    assert cli._message(json_error.value).startswith("JSONDecodeError: ")
     from hf_varlen.training import TrainConfig
 
-    try:
+    with pytest.raises(ValueError) as config_error:
         TrainConfig(epochs=0).validate()
-    except ValueError as exc:
-        assert cli._message(exc) == "--epochs: expected > 0, got 0"
+    assert cli._message(config_error.value) == "--epochs: expected > 0, got 0"
 
 
 def test_help_is_clean_and_parsing_loads_no_training_loop():
@@ -238,7 +237,8 @@ def test_unreachable_hub_fails_fast_once(tmp_path, capsys, monkeypatch):
         capsys, "train", "--model", "no-such-org/no-such-model", "--output-dir", str(tmp_path)
     )
     sources.hub_reachable.cache_clear()
-    assert code == 1 and time.perf_counter() - t0 < 60
+    # no network is a usage error (exit 2, like a missing local path), not a training failure
+    assert code == 2 and time.perf_counter() - t0 < 60
     lines = [ln for ln in err.splitlines() if "hf-varlen: error" in ln]
     assert len(lines) == 1 and "cannot be reached" in lines[0] and "local folder" in lines[0]
 
@@ -293,3 +293,347 @@ def test_one_definition_of_padding_for_packed_and_padded(tmp_path):
     assert packed["padded_efficiency"] == pytest.approx(padded["packing_efficiency"])
     assert padded["padded_efficiency"] == pytest.approx(padded["packing_efficiency"])
     assert packed["padded_efficiency"] < 1.0
+
+
+# --------------------------------------------------------------------------------------------- #
+# 5. Issue 44: help, version, typos, Hub errors, advice that works, demo data
+
+
+def _error_lines(err: str) -> list[str]:
+    return [ln for ln in err.splitlines() if ln.strip()]
+
+
+def test_help_lists_common_options_first_then_headed_groups():
+    from hf_varlen.training.config import COMMON, HELP_GROUPS
+
+    text = cli._train_parser().format_help()
+    titles = ["common options", *(t.split(" (")[0] for t in HELP_GROUPS)]
+    where = [text.index(f"\n{title}") for title in titles]
+    assert where == sorted(where), titles
+    common = text[where[0] : where[1]]
+    for name in COMMON:
+        assert f"--{name.replace('_', '-')} " in common, name
+    assert "--config FILE.yaml" in common
+    # on/off defaults are shown, in the group of their topic
+    compile_group = text[text.index("\ncompile and CUDA graphs") :]
+    assert "--compile, --no-compile" in compile_group
+    compile_help = compile_group[: compile_group.index("--compile-backend")]
+    assert "(default: off)" in " ".join(compile_help.split())
+    assert "(default: on)" in " ".join(text[text.index("--shuffle, --no-shuffle") :].split()[:30])
+    assert "--max-steps N" in common and "(default: 1024)" in common  # --max-length
+    assert "--debug" in text[text.index("\nlogging and metrics") :]
+    assert len(text.splitlines()) < 230
+
+
+def test_every_option_is_in_one_help_group():
+    import dataclasses
+
+    from hf_varlen.training.config import COMMON, HELP_GROUPS, TrainConfig
+
+    grouped = [*COMMON, *(n for names in HELP_GROUPS.values() for n in names)]
+    assert sorted(grouped) == sorted(f.name for f in dataclasses.fields(TrainConfig))
+
+
+def test_version(capsys):
+    from hf_varlen import __version__
+
+    code, out, err = run_cli(capsys, "--version")
+    assert code == 0 and out.strip() == f"hf-varlen {__version__}" and not err
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["train", "--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"hf-varlen {__version__}"
+
+
+@pytest.mark.parametrize(
+    "argv, wrong, right",
+    [
+        (["--max-stpes", "5"], "--max-stpes", "--max-steps"),
+        (["--max-step", "5"], "--max-step", "--max-steps"),  # an abbreviation is refused
+        (["--lr-sched=cosine"], "--lr-sched", "--lr-schedule"),
+        (["--max-steps", "3", "--no-progess"], "--no-progess", "--no-progress"),
+    ],
+)
+def test_misspelled_flag_is_one_line_with_the_closest(capsys, argv, wrong, right):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["train", *argv])
+    out, err = capsys.readouterr()
+    assert exit_info.value.code == 2 and not out
+    assert _error_lines(err) == [
+        f"hf-varlen: error: unrecognized argument {wrong} (did you mean {right}?)"
+    ]
+
+
+def test_abbreviations_are_refused_by_the_python_parser_too():
+    from hf_varlen.training.config import parse_args
+
+    assert parse_args(["--max-steps", "4"]).max_steps == 4
+    with pytest.raises(SystemExit):
+        parse_args(["--max-step", "4"])
+
+
+def test_unknown_command_suggests_the_closest(capsys):
+    code, _, err = run_cli(capsys, "trian")
+    assert code == 2
+    assert _error_lines(err) == [
+        "hf-varlen: error: unknown command 'trian' (did you mean 'train'?)"
+    ]
+
+
+@pytest.mark.parametrize(
+    "flag, typo, right",
+    [("--model", "tiny-lama", "tiny-llama"), ("--model", "Tiny-Qwen3", "tiny-qwen3"),
+     ("--dataset", "biultin", "builtin")],
+)  # fmt: skip
+def test_preset_typo_says_did_you_mean_without_the_hub(
+    tmp_path, capsys, monkeypatch, flag, typo, right
+):
+    def no_hub(*args, **kwargs):
+        raise AssertionError("a preset typo must not go to the Hub")
+
+    from hf_varlen.training import data, model
+
+    for module, name in ((model, "hub_access"), (data, "dataset_access")):
+        monkeypatch.setattr(module, name, no_hub)  # the names the loaders call
+    monkeypatch.setattr(sources, "hub_reachable", no_hub)
+    code, _, err = run_cli(capsys, "train", flag, typo, "--output-dir", str(tmp_path / "run"))
+    assert code == 2
+    lines = _error_lines(err)
+    assert len(lines) == 1 and lines[0].startswith(f"hf-varlen: error: {flag} {typo!r}"), err
+    assert lines[0].endswith(f"did you mean {right!r}?")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_local_folder_near_a_preset_name_is_a_path(tmp_path, monkeypatch):
+    from hf_varlen.training import TrainConfig
+
+    (tmp_path / "tiny-lama").mkdir()
+    monkeypatch.chdir(tmp_path)
+    TrainConfig(model="tiny-lama").validate()  # a folder: no typo error (loading decides)
+    with pytest.raises(ValueError, match="did you mean 'tiny-llama'"):
+        TrainConfig(model="tiny-lamma").validate()
+
+
+@pytest.mark.parametrize(
+    "flag, value, fix",
+    [
+        ("--model", "no-such-org/no-such-model", "download it first"),
+        ("--tokenizer", "no-such-org/no-such-tokenizer", "download it first"),
+        ("--dataset", "no-such-org/no-such-dataset", "pass a local .json/.jsonl/.parquet file"),
+    ],
+)
+def test_missing_hub_id_offline_is_exit_2_naming_the_option(
+    tmp_path, capsys, monkeypatch, flag, value, fix
+):
+    argv = ["train", flag, value, "--output-dir", str(tmp_path), *TINY]
+    if flag == "--dataset":
+        # `datasets` reads HF_HUB_OFFLINE when first imported: a fresh process, as a user runs it
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+        proc = subprocess.run(
+            [sys.executable, "-m", "hf_varlen.cli", *argv],
+            env=env, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        code, err = proc.returncode, proc.stderr
+    else:
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+        code, _, err = run_cli(capsys, *argv)
+    assert code == 2, err
+    lines = [ln for ln in err.splitlines() if "hf-varlen: error" in ln]
+    assert len(lines) == 1 and lines[0].startswith(f"hf-varlen: error: {flag} {value!r}"), err
+    assert "HF_HUB_OFFLINE=1" in lines[0] and fix in lines[0] and "Traceback" not in err
+
+
+def test_plot_without_matplotlib_names_the_extra(tmp_path, capsys, monkeypatch):
+    (tmp_path / "metrics.jsonl").write_text("")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    code, out, err = run_cli(capsys, "plot", str(tmp_path))
+    assert code == 2 and not out
+    assert _error_lines(err) == [
+        "hf-varlen: error: hf-varlen plot needs matplotlib: pip install 'hf_varlen[plot]'"
+    ]
+
+
+def _interrupt_at(monkeypatch, step: int) -> None:
+    """Ctrl-C while training optimizer step ``step`` (1-based)."""
+    from hf_varlen.training.loop import PackedTrainer
+
+    real, calls = PackedTrainer.train_step, []
+
+    def train_step(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == step:
+            raise KeyboardInterrupt
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(PackedTrainer, "train_step", train_step)
+
+
+def test_ctrl_c_says_how_to_resume_and_that_command_resumes(tmp_path, capsys, monkeypatch):
+    out = str(tmp_path / "run")
+    argv = ["train", "--output-dir", out, *TINY, "--max-steps", "4", "--save-every", "1"]
+    _interrupt_at(monkeypatch, 3)
+    code, _, err = run_cli(capsys, *argv)
+    monkeypatch.undo()
+    assert code == 130
+    lines = [ln for ln in err.splitlines() if ln.startswith("hf-varlen:")]
+    assert len(lines) == 1 and lines[0].startswith("hf-varlen: interrupted; "), err
+    assert os.path.join(out, "checkpoint-2") in lines[0]
+    command = lines[0].split("to continue from it: ", 1)[1]
+    assert command.startswith("hf-varlen train ") and command.endswith(" --resume latest")
+    # the "already holds a run" advice: this run has checkpoints, so --resume latest is offered
+    code, _, err = run_cli(capsys, *argv)
+    assert code == 2 and "Pass --resume latest to continue it" in err
+    # and the printed command resumes it to the end
+    import shlex
+
+    code, stdout, err = run_cli(capsys, *shlex.split(command)[1:])
+    assert code == 0, err
+    saved = [ln for ln in stdout.splitlines() if ln.startswith("saved ")]
+    assert saved[0] == f"saved {os.path.join(out, 'checkpoint-3')}", stdout  # went on from step 2
+    assert os.path.isdir(os.path.join(out, "checkpoint-4"))
+
+
+def test_ctrl_c_without_checkpoint_says_so_and_advice_skips_resume(tmp_path, capsys, monkeypatch):
+    out = str(tmp_path / "run")
+    argv = ["train", "--output-dir", out, *TINY, "--max-steps", "3"]
+    _interrupt_at(monkeypatch, 2)
+    code, _, err = run_cli(capsys, *argv)
+    monkeypatch.undo()
+    assert code == 130
+    assert "hf-varlen: interrupted; no checkpoint was saved in" in err and "--save-every" in err
+    code, _, err = run_cli(capsys, *argv)
+    line = _error_lines(err)[-1]
+    assert code == 2 and "already holds a run" in line, err
+    # --resume latest would fail here (no checkpoint): not offered
+    assert "--resume latest" not in line and "--overwrite-output-dir" in line
+    assert "another --output-dir" in line
+
+
+def test_save_total_limit_keeps_the_newest_and_one_line_each(tmp_path, capsys, caplog, monkeypatch):
+    import logging
+
+    from hf_varlen.training import checkpoint
+
+    monkeypatch.setattr(checkpoint._SharedTensorNote, "said", False)
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    (out / "checkpoint-best").mkdir()  # not a checkpoint-<step> folder: never deleted
+    caplog.set_level(logging.INFO)
+    code, stdout, err = run_cli(
+        capsys, "train", "--output-dir", str(out), *TINY[:-1], "--max-steps", "4",
+        "--save-every", "1", "--save-total-limit", "2",
+    )  # fmt: skip
+    assert code == 0, err
+    assert sorted(os.listdir(out)) == sorted(
+        ["notes.txt", "checkpoint-best", "checkpoint-3", "checkpoint-4", "final", "config.yaml",
+         "metrics.jsonl", "summary.json"]
+    )  # fmt: skip
+    saved = [ln for ln in stdout.splitlines() if ln.startswith("saved ")]
+    assert saved[0] == f"saved {out / 'checkpoint-1'}" and len(saved) == 4
+    assert saved[-1].endswith("(removed checkpoint-2: --save-total-limit keeps the newest)")
+    messages = [r.getMessage() for r in caplog.records]
+    assert not [m for m in messages if "Removed shared tensor" in m or "Saving" in m]
+    assert not [r for r in caplog.records if r.name.startswith("accelerate.checkpointing")]
+    assert len([m for m in messages if "tied weights once" in m]) == 1
+    assert "save_total_limit: 2" in (out / "config.yaml").read_text()
+
+
+def test_save_total_limit_config_key_and_checks(tmp_path):
+    from hf_varlen.training import TrainConfig
+    from hf_varlen.training.config import load_config_file
+
+    path = tmp_path / "c.yaml"
+    path.write_text("save_every: 5\nsave_total_limit: 3\n")
+    assert load_config_file(str(path)) == {"save_every": 5, "save_total_limit": 3}
+    TrainConfig(save_every=5, save_total_limit=3).validate()
+    with pytest.raises(ValueError, match=r"--save-total-limit 3 .* pass --save-every N too"):
+        TrainConfig(save_total_limit=3).validate()
+    with pytest.raises(ValueError, match="--save-total-limit must be >= 1"):
+        TrainConfig(save_every=5, save_total_limit=0).validate()
+
+
+def test_builtin_data_is_long_tailed_and_deterministic():
+    import numpy as np
+
+    from hf_varlen.training.builtin import builtin_records
+    from hf_varlen.training.run_summary import padded_alternative
+
+    records = builtin_records(2000)
+    assert records == builtin_records(2000) and records != builtin_records(2000, seed=1)
+    lengths = np.array(
+        [sum(len(str(v).encode()) for v in r.values()) + 40 for r in records]  # + the template
+    )
+    median, p90, p99 = np.percentile(lengths, [50, 90, 99])
+    assert median < 250 and p90 > 2 * median and p99 > 4 * median, (median, p90, p99)
+    # a padded trainer's shuffled batches of 16 would be mostly padding, as with Alpaca
+    assert padded_alternative(np.minimum(lengths, 1024), len(lengths) // 16, 0)["efficiency"] < 0.5
+
+
+def test_main_job_summary_shows_the_padding_it_avoids(tmp_path, capsys):
+    """The main job's data (default --max-length), cut to one step of half the token budget."""
+    import re
+
+    code, out, err = run_cli(
+        capsys, "train", "--output-dir", str(tmp_path), "--builtin-examples", "96",
+        "--tokens-per-batch", "2048", "--max-steps", "1", "--no-progress", "--no-save-final",
+    )  # fmt: skip
+    assert code == 0, err
+    line = next(ln for ln in out.splitlines() if ln.startswith("  vs padded"))
+    real = float(re.search(r"would be ([\d.]+)% real", line).group(1))
+    avoided = float(re.search(r"avoids computing ([\d.]+)% padding", line).group(1))
+    assert real < 50 and avoided == pytest.approx(100 - real, abs=0.11), line
+    tokens = out.splitlines().index(
+        next(ln for ln in out.splitlines() if ln.startswith("  tokens"))
+    )
+    assert out.splitlines()[tokens + 1] == line  # right under the tokens line
+
+
+@pytest.mark.parametrize(
+    "flags, package, extra",
+    [(["--lora"], "peft", "peft"), (["--plot"], "matplotlib", "plot"),
+     (["--report-to", "tensorboard"], "tensorboard", "tensorboard")],
+)  # fmt: skip
+def test_missing_optional_package_names_its_extra(tmp_path, monkeypatch, flags, package, extra):
+    import accelerate.tracking  # noqa: F401  (lists trackers at import: not under the patch)
+
+    from hf_varlen.training.config import parse_args
+
+    real = importlib.util.find_spec
+    hidden = {package, "tensorboardX"}
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: None if n in hidden else real(n, *a)
+    )
+    cfg = parse_args(["--output-dir", str(tmp_path), *flags])
+    with pytest.raises(ImportError, match=rf"pip install 'hf_varlen\[{extra}\]'"):
+        cfg.validate()
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_hub_without_such_model_is_exit_2_naming_the_option(tmp_path, capsys, monkeypatch, gated):
+    """Online, the Hub answers 404 (or gated); transformers re-raises it as a bare OSError."""
+    import httpx2
+    import transformers
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    from hf_varlen.training import model
+
+    url = "https://huggingface.co/api/models/no-such-org/no-such-model"
+    answer = httpx2.Response(404, request=httpx2.Request("GET", url))
+    error = (GatedRepoError if gated else RepositoryNotFoundError)("404", response=answer)
+
+    def from_pretrained(*args, **kwargs):
+        try:
+            raise error
+        except RepositoryNotFoundError as exc:
+            raise OSError("no-such-org/no-such-model is not a local folder and ...") from exc
+
+    monkeypatch.setattr(model, "hub_access", lambda *a, **k: {})  # as if the Hub were reachable
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", from_pretrained)
+    argv = ["train", "--model", "no-such-org/no-such-model", "--output-dir", str(tmp_path)]
+    code, _, err = run_cli(capsys, *argv)
+    assert code == 2
+    lines = _error_lines(err)
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("hf-varlen: error: --model 'no-such-org/no-such-model': ")
+    assert ("hf auth login" in lines[0]) and (("gated" in lines[0]) is gated)

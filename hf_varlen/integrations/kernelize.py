@@ -146,7 +146,7 @@ def _kernels_problem() -> str | None:
     try:
         import kernels
     except ImportError:
-        return "the `kernels` package is not installed"
+        return "the `kernels` package is not installed (pip install 'hf_varlen[kernels]')"
     import transformers
     from packaging.version import Version
     from transformers.utils import import_utils

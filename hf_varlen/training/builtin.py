@@ -5,8 +5,10 @@
   the chat format works too.
 - ``builtin_records(n, seed)``: ``n`` deterministic Alpaca-style records (instruction / input /
   output) from small rule-based tasks over word lists (repeat, upper-case, sort, reverse, count,
-  spell numbers, short templated stories). Responses are (mostly) a function of the prompt, so a
-  tiny model's loss falls fast; lengths vary from ~40 to ~400 bytes, so packing has work to do.
+  spell numbers, templated stories). Responses are (mostly) a function of the prompt, so a tiny
+  model's loss falls fast. Lengths are long-tailed like real instruction data (median ~150 bytes,
+  a tenth over ~400, a few near 1024), so padding each batch to its longest example would waste
+  most of its tokens: the padding that packing avoids shows in the run's summary.
 - ``PRESETS``: random-init model shapes by name (``tiny-*`` for CPU runs and tests; ``llama-1b`` and
   ``qwen3-8b`` for the GPU benchmarks: Llama-3.2-1B's and Qwen3-8B's shapes with the tokenizer's
   vocabulary). ``tiny_shape`` keeps a tiny preset tiny under a large external tokenizer.
@@ -14,6 +16,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 from typing import Any
 
@@ -153,9 +156,26 @@ def _spell(n: int) -> str:
     return _ONES[n // 100] + " hundred" + ("" if rest == 0 else " and " + _spell(rest))
 
 
+# How many items (words, numbers, sentences) a request asks for. Real instruction data is
+# long-tailed: most requests are short and a few are long (Alpaca's lengths span two orders of
+# magnitude around a median of a few hundred bytes), which is where padding to the longest example of
+# a batch wastes most. A log-normal count (median 5, sigma 1: a tenth of the requests over 18 items,
+# one in a hundred over 50) gives the demo data that shape: a median example of ~150 bytes (tokens,
+# with the byte tokenizer), a few near --max-length 1024. Every task draws from the same count, so
+# lengths overlap across tasks and a token-budget pack mixes tasks instead of grouping one task per
+# pack (which would make the loss jump between packs).
+_MEDIAN_ITEMS = 5
+_SIGMA_ITEMS = 1.0
+
+
+def _count(rng: random.Random, cap: int) -> int:
+    """A long-tailed item count in [1, cap] (see above)."""
+    return max(1, min(cap, round(math.exp(rng.gauss(math.log(_MEDIAN_ITEMS), _SIGMA_ITEMS)))))
+
+
 def _story(rng: random.Random) -> tuple[str, str]:
     animal = rng.choice(_ANIMALS)
-    n = rng.randint(1, 5)
+    n = _count(rng, 24)  # ~40 bytes a sentence: at most ~1000 bytes
     lines = [
         f"The {rng.choice(_ADJ)} {animal} {rng.choice(_VERBS)} {rng.choice(_PLACES)}."
         for _ in range(n)
@@ -163,8 +183,6 @@ def _story(rng: random.Random) -> tuple[str, str]:
     return f"Write {_spell(n)} sentences about a {animal}.", " ".join(lines)
 
 
-# Every task takes a list of 1-10 items, so lengths overlap across tasks and a token-budget pack
-# mixes tasks instead of grouping one task per pack (which would make the loss jump between packs).
 _TASKS = (
     ("Repeat the words.", lambda w: " ".join(w)),
     ("Write the words in upper case.", lambda w: " ".join(x.upper() for x in w)),
@@ -178,7 +196,7 @@ _TASKS = (
 def _task(rng: random.Random) -> dict[str, str]:
     kind = rng.randrange(len(_TASKS) + 2)
     if kind == len(_TASKS):
-        numbers = [rng.randint(0, 999) for _ in range(rng.randint(1, 6))]
+        numbers = [rng.randint(0, 999) for _ in range(_count(rng, 30))]  # ~30 bytes a number
         return {
             "instruction": "Spell out the numbers in words.",
             "input": ", ".join(map(str, numbers)),
@@ -188,7 +206,8 @@ def _task(rng: random.Random) -> dict[str, str]:
         instruction, output = _story(rng)
         return {"instruction": instruction, "input": "", "output": output}
     instruction, answer = _TASKS[kind]
-    words = rng.sample(_WORDS, rng.randint(1, 10))
+    # ~14 bytes a word (input and output): at most ~900 bytes
+    words = [rng.choice(_WORDS) for _ in range(_count(rng, 64))]
     return {"instruction": instruction, "input": " ".join(words), "output": answer(words)}
 
 

@@ -22,6 +22,7 @@ silently different run.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -355,7 +356,8 @@ def save_checkpoint(accelerator, output_dir: str, state: RunState) -> str:
     _on_main(accelerator, what, clear)
     accelerator.wait_for_everyone()
     try:
-        accelerator.save_state(tmp, safe_serialization=True)
+        with _quiet_save():
+            accelerator.save_state(tmp, safe_serialization=True)
     except (OSError, RuntimeError) as exc:
         raise CheckpointError(
             f"{what} failed: {exc}. Nothing was renamed: the previous checkpoints are intact and "
@@ -371,6 +373,60 @@ def save_checkpoint(accelerator, output_dir: str, state: RunState) -> str:
 
     _on_main(accelerator, what, finish)
     return final
+
+
+class _SharedTensorNote(logging.Filter):
+    """Drops accelerate's "Removed shared tensor ... check by verifying" warning (a tied LM head is
+    the input embedding: saving it once is right, and loading ties it again); the first time, one
+    INFO line says so instead."""
+
+    said = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "Removed shared tensor" not in record.getMessage():
+            return True
+        if not _SharedTensorNote.said:
+            _SharedTensorNote.said = True
+            logger.info(
+                "checkpoints store tied weights once (the LM head is the input embedding); "
+                "resuming ties them again, so nothing is lost"
+            )
+        return False
+
+
+@contextlib.contextmanager
+def _quiet_save():
+    """accelerate's save_state logs ~7 INFO lines per checkpoint (one per file) and a warning for
+    tied weights; the run prints one line per checkpoint itself, so those stay below WARNING."""
+    chatty = [logging.getLogger(n) for n in ("accelerate.accelerator", "accelerate.checkpointing")]
+    levels = [lg.level for lg in chatty]
+    note, other = _SharedTensorNote(), logging.getLogger("accelerate.utils.other")
+    for lg in chatty:
+        lg.setLevel(max(lg.getEffectiveLevel(), logging.WARNING))
+    other.addFilter(note)
+    try:
+        yield
+    finally:
+        other.removeFilter(note)
+        for lg, level in zip(chatty, levels, strict=True):
+            lg.setLevel(level)
+
+
+def prune_checkpoints(accelerator, output_dir: str, keep: int | None) -> list[str]:
+    """--save-total-limit: delete all but the newest ``keep`` ``checkpoint-<step>`` folders of
+    ``output_dir`` (on the main process; every process raises if it failed). Only folders named
+    ``checkpoint-<step>`` go: ``final/``, unfinished saves and anything else stay. Returns the
+    deleted paths (on the main process)."""
+    if keep is None:
+        return []
+    old = checkpoints(output_dir)[keep:]
+
+    def delete():
+        for path in old:
+            shutil.rmtree(path)
+
+    _on_main(accelerator, f"--save-total-limit {keep}: removing old checkpoints", delete)
+    return old if accelerator.is_main_process else []
 
 
 def export_model(accelerator, model, tokenizer, path: str) -> None:
@@ -423,9 +479,18 @@ def prepare_output_dir(out: str, overwrite: bool, resumed_from: str | None, acc)
         acc.wait_for_everyone()
     elif found and not inside:
         start = "a new run" if resumed_from is None else "a resumed run"
+        # --resume latest only works where a checkpoint exists (runs save none by default)
+        if checkpoints(out):
+            advice = (
+                "Pass --resume latest to continue it, --overwrite-output-dir to replace it (its "
+                "checkpoints are deleted too)"
+            )
+        else:
+            advice = (
+                "It saved no checkpoint to resume from (--save-every N saves them); pass "
+                "--overwrite-output-dir to replace it"
+            )
         raise ValueError(
             f"--output-dir {out!r} already holds a run ({', '.join(found[:6])}); {start} "
-            "there would mix with it. Pass --resume latest to continue it, "
-            "--overwrite-output-dir to replace it (its checkpoints are deleted too), or choose "
-            "another --output-dir"
+            f"there would mix with it. {advice}, or choose another --output-dir"
         )

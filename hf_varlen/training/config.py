@@ -86,7 +86,11 @@ class TrainConfig:
         "one (counted in the summary) instead of stopping at the first",
     )
     max_examples: int | None = _opt(None, "use only the first N examples of the dataset")
-    builtin_examples: int = _opt(2000, "number of examples the built-in dataset generates")
+    builtin_examples: int = _opt(
+        300,
+        "number of examples the built-in dataset generates (300: the main job, about a minute "
+        "on 2 CPU cores)",
+    )
     max_length: int = _opt(1024, "truncate each example to this many tokens")
     tokens_per_batch: int | None = _opt(
         None,
@@ -220,6 +224,11 @@ class TrainConfig:
     # Output, checkpoints, metrics.
     output_dir: str = _opt("runs/hf-varlen", "where logs, checkpoints and plots go")
     save_every: int = _opt(0, "save a resumable checkpoint every N steps (0: never)")
+    save_total_limit: int | None = _opt(
+        None,
+        "keep only the newest N checkpoint-<step> folders, deleting older ones after each save "
+        "(final/ and anything else in --output-dir stay); default: keep all",
+    )
     save_final: bool = _opt(True, "save the final model (safetensors) and tokenizer")
     overwrite_output_dir: bool = _opt(
         False,
@@ -329,6 +338,14 @@ class TrainConfig:
             check_int(f"--{_flag(name)}", getattr(self, name), 1, allow_none=True)
         for name in ("save_every", "eval_every", "seed"):
             check_int(f"--{_flag(name)}", getattr(self, name), 0)
+        check_int("--save-total-limit", self.save_total_limit, 1, allow_none=True)
+        if self.save_total_limit is not None and not self.save_every:
+            raise ValueError(
+                f"--save-total-limit {self.save_total_limit} keeps the newest checkpoints, but "
+                "--save-every is 0 (no checkpoints are saved); pass --save-every N too, or drop "
+                "--save-total-limit"
+            )
+        _check_names(self.model, self.dataset)
         check_int("--warmup-steps", self.warmup_steps, 0, allow_none=True)
         if self.token_budget < self.max_length:
             raise ValueError(
@@ -379,7 +396,8 @@ class TrainConfig:
             package = TRACKERS[self.report_to][0]
             raise ImportError(
                 f"--report-to {self.report_to} needs the `{package}` package, which is not "
-                f"installed; `pip install {package}` or drop --report-to"
+                f"installed; `pip install 'hf_varlen[{self.report_to}]'` (or `pip install "
+                f"{package}`) or drop --report-to"
             )
         if self.overwrite_output_dir and self.resume == "latest":
             raise ValueError(
@@ -412,6 +430,27 @@ class TrainConfig:
         header = "# hf-varlen train --config this file (flags given with it override its keys)\n"
         with open(path, "w", encoding="utf-8") as fh:
             fh.write(header + yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+
+def _check_names(model: str, dataset: str) -> None:
+    """A --model / --dataset that is no local path, has no '/' and is close to a built-in name is a
+    typo (``tiny-lama``), not a Hub id: say so before anything goes to the Hub."""
+    import difflib
+
+    from .builtin import PRESETS
+
+    for flag, value, names in (
+        ("--model", model, tuple(PRESETS)),
+        ("--dataset", dataset, ("builtin",)),
+    ):
+        if value in names or "/" in value or os.path.exists(os.path.expanduser(value)):
+            continue
+        close = difflib.get_close_matches(value.lower(), names, n=1, cutoff=0.75)
+        if close:
+            raise ValueError(
+                f"{flag} {value!r}: not a built-in name, a local path or a Hub id with an "
+                f"organisation; did you mean {close[0]!r}?"
+            )
 
 
 def _check_value(source: str, key: str, value: Any, hint: str) -> Any:
@@ -482,7 +521,7 @@ def load_config_file(path: str) -> dict[str, Any]:
 
 def parse_train_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
     """Parse ``argv``; a ``--config FILE`` supplies the defaults, so flags override its keys."""
-    pre = argparse.ArgumentParser(add_help=False)
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--config", default=None)
     known, _ = pre.parse_known_args(argv)
     if known.config:
@@ -504,9 +543,69 @@ def _parse_optional(kind: type):
     return parse
 
 
-def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add one flag per TrainConfig field (booleans get ``--x`` / ``--no-x``), and ``--config``."""
-    parser.add_argument(
+# --help: the options a first run needs, then one headed group per topic. Every TrainConfig field
+# is in exactly one of them (add_train_arguments refuses a field without a group).
+COMMON = (
+    "model", "dataset", "max_length", "tokens_per_batch", "batch_size", "max_steps", "epochs",
+    "lr", "output_dir", "save_every", "resume",
+)  # fmt: skip
+HELP_GROUPS: dict[str, tuple[str, ...]] = {
+    "data": (
+        "dataset_config", "dataset_split", "format", "text_field", "messages_field",
+        "completion_only", "skip_bad_records", "max_examples", "builtin_examples", "shuffle",
+        "pad_to_multiple_of",
+    ),
+    "model and attention": (
+        "tokenizer", "config_overrides", "padded", "attn_implementation", "attn_backend",
+        "precision", "gradient_checkpointing",
+    ),
+    "kernels and loss": ("fused_kernels", "fused_loss"),
+    "LoRA (needs the peft extra: pip install 'hf_varlen[peft]')": (
+        "lora", "lora_r", "lora_alpha", "lora_dropout", "lora_target", "fused_lora",
+        "load_in_4bit",
+    ),
+    "optimisation": (
+        "grad_accum", "optim", "lr_schedule", "warmup_steps", "weight_decay", "max_grad_norm",
+        "on_nonfinite", "seed",
+    ),
+    "compile and CUDA graphs (speed on a GPU)": (
+        "compile", "compile_backend", "compile_mode", "cuda_graphs", "static_shapes",
+    ),
+    "evaluation": ("eval_split", "eval_dataset", "eval_every"),
+    "checkpointing and output": (
+        "save_final", "save_total_limit", "overwrite_output_dir", "resume_without_rng",
+    ),
+    "logging and metrics": (
+        "log_every", "report_to", "run_name", "plot", "progress", "peak_tflops", "profile_step",
+    ),
+    "multi-GPU (accelerate launch -m hf_varlen.cli train ...)": ("ddp_timeout",),
+}  # fmt: skip
+LOGGING_GROUP = "logging and metrics"
+
+
+def _default_text(default: Any) -> str:
+    """How --help shows a default: booleans as on/off (the flag / its --no- form)."""
+    if isinstance(default, bool):
+        return "on" if default else "off"
+    return str(default).replace("%", "%%")
+
+
+def add_train_arguments(parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """Add one flag per TrainConfig field (booleans get ``--x`` / ``--no-x``), and ``--config``,
+    in the help groups above. Returns the argument groups by title (the CLI adds --debug to
+    logging)."""
+    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    grouped = [*COMMON, *(n for names in HELP_GROUPS.values() for n in names)]
+    missing = sorted(set(fields) - set(grouped))
+    twice = sorted({n for n in grouped if grouped.count(n) > 1})
+    unknown = sorted(set(grouped) - set(fields))
+    if missing or twice or unknown:
+        raise RuntimeError(
+            f"config.HELP_GROUPS: fields in no group {missing}, in several {twice}, unknown "
+            f"{unknown}"
+        )
+    groups = {"common": parser.add_argument_group("common options")}
+    groups["common"].add_argument(
         "--config",
         metavar="FILE.yaml",
         default=None,
@@ -514,25 +613,33 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         "flags given with it override its keys. Each run saves its resolved options as "
         "OUTPUT_DIR/config.yaml, which re-runs it",
     )
-    hints = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
-    for f in dataclasses.fields(TrainConfig):
-        flag = "--" + _flag(f.name)
-        help_text = f.metadata["help"]
-        hint = str(hints[f.name])
-        kwargs: dict[str, Any] = {"dest": f.name, "default": f.default}
-        if "choices" in f.metadata:
-            kwargs["choices"] = f.metadata["choices"]
-        if hint in ("bool", "bool | None"):  # None: unset (auto)
-            parser.add_argument(
-                flag, action=argparse.BooleanOptionalAction, help=help_text, **kwargs
-            )
-            continue
-        base = {"int": int, "float": float}.get(hint.split(" ")[0], str)
-        kwargs["type"] = _parse_optional(base) if "None" in hint else base
-        if f.default is not None and "default" not in help_text:
-            help_text += " (default: %(default)s)"
-        parser.add_argument(flag, help=help_text, **kwargs)
-    return parser
+    for name in COMMON:
+        _add_field(groups["common"], fields[name])
+    for title, names in HELP_GROUPS.items():
+        groups[title] = parser.add_argument_group(title)
+        for name in names:
+            _add_field(groups[title], fields[name])
+    return groups
+
+
+def _add_field(group, f: dataclasses.Field) -> None:
+    flag = "--" + _flag(f.name)
+    help_text = f.metadata["help"]
+    hint = str(f.type)
+    kwargs: dict[str, Any] = {"dest": f.name, "default": f.default}
+    if "choices" in f.metadata:
+        kwargs["choices"] = f.metadata["choices"]
+    if hint in ("bool", "bool | None"):  # None: unset (auto)
+        help_text += f" (default: {_default_text(f.default)})"
+        group.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text, **kwargs)
+        return
+    base = {"int": int, "float": float}.get(hint.split(" ")[0], str)
+    kwargs["type"] = _parse_optional(base) if "None" in hint else base
+    if base is not str and "choices" not in kwargs:
+        kwargs["metavar"] = "N" if base is int else "X"
+    if f.default is not None and "default" not in help_text:
+        help_text += f" (default: {_default_text(f.default)})"
+    group.add_argument(flag, help=help_text, **kwargs)
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -541,9 +648,13 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
-    parser = argparse.ArgumentParser(
+    """``hf-varlen train``'s flags as a TrainConfig (the same parser, without --debug)."""
+    from ..cli import Parser
+
+    parser = Parser(
         prog="hf-varlen train",
         description="Packed, padding-free fine-tuning of a Hugging Face causal LM "
         "(launch with `accelerate launch` for several processes).",
     )
-    return config_from_args(parse_train_args(add_train_arguments(parser), argv))
+    add_train_arguments(parser)
+    return config_from_args(parse_train_args(parser, argv))

@@ -174,7 +174,21 @@ def _load_hub(name: str, cfg: TrainConfig, flag: str = "--dataset") -> list[dict
             "which needs `datasets`: `pip install datasets` (or pass a local .json/.jsonl/.parquet)"
         ) from None
     dataset_access(flag, name)
-    ds = datasets.load_dataset(name, cfg.dataset_config, split=cfg.dataset_split)
+    what = f"{flag} {name!r} is not a local file, so it is a Hugging Face Hub dataset"
+    try:
+        ds = datasets.load_dataset(name, cfg.dataset_config, split=cfg.dataset_split)
+    except datasets.exceptions.DatasetNotFoundError:
+        raise FileNotFoundError(
+            f"{what}, but the Hub has no such dataset (or it is private or gated: `hf auth login`)"
+            "; check the id, or pass a local .json/.jsonl/.parquet file"
+        ) from None
+    except ConnectionError as exc:  # HF_HUB_OFFLINE=1 and not in the datasets cache
+        offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+        why = "HF_HUB_OFFLINE=1 and it is not in the datasets cache" if offline else str(exc)
+        fix = "unset HF_HUB_OFFLINE and connect to the network" if offline else "check the network"
+        raise ConnectionError(
+            f"{what}, but {why}: {fix}, or pass a local .json/.jsonl/.parquet file"
+        ) from None
     return ds.to_list()
 
 

@@ -72,7 +72,7 @@ from .model import (
     scope_backend,
 )
 from .profiling import StepProfiler
-from .run_summary import data_text, ranks_summary, static_shapes_summary
+from .run_summary import data_text, padded_alternative, ranks_summary, static_shapes_summary
 
 logger = logging.getLogger("hf_varlen.training")
 CONFIG_FILE = "config.yaml"  # in --output-dir
@@ -567,13 +567,24 @@ class PackedTrainer:
         total, n = self._reduce([float(ce), count])
         return {"eval_loss": total / n, "eval_tokens": int(n)}
 
+    def _padded_alternative(self) -> dict[str, Any] | None:
+        """Token-budget packed runs: the padding a padded trainer would compute on the same data
+        (run_summary.padded_alternative); --batch-size and --padded runs say it already."""
+        if self.cfg.padded or self.cfg.batch_size is not None or not len(self.train_ex):
+            return None
+        batches = len(self.sampler) * self.acc.num_processes
+        return padded_alternative(self.train_ex.lengths, batches, self.cfg.seed)
+
     def run(self) -> dict[str, Any]:
         cfg, st = self.cfg, self.state
         stats = self.sampler.stats
+        vs_padded = self._padded_alternative()
         self._log(
             f"{len(self.train_ex)} train examples in {len(self.sampler)} micro-batches per rank "
             f"and epoch ({stats.real_tokens / max(stats.padded_tokens, 1):.1%} real tokens if "
-            f"padded to the longest example of each); {self.total_steps} steps of "
+            f"padded to the longest example of each"
+            + (f"; {vs_padded['text']}" if vs_padded else "")
+            + f"); {self.total_steps} steps of "
             f"{cfg.grad_accum} x {self.acc.num_processes} micro-batches; kernels: {self.kernels}; "
             f"loss: {self.loss_impl}"
         )
@@ -640,14 +651,13 @@ class PackedTrainer:
                     if cfg.eval_every and st.step % cfg.eval_every == 0:
                         evals.append(self._eval_record(run_log, st))
                     if cfg.save_every and st.step % cfg.save_every == 0:
-                        path = ckpt.save_checkpoint(self.acc, cfg.output_dir, st)
-                        run_log.message(f"saved {path}")
+                        self._save(run_log, st)
                 if st.micro >= len(slots):
                     st.epoch, st.micro = st.epoch + 1, 0
             if self.eval_sampler is not None and (not evals or evals[-1]["step"] != st.step):
                 evals.append(self._eval_record(run_log, st))
             if cfg.save_every and st.step % cfg.save_every != 0:
-                ckpt.save_checkpoint(self.acc, cfg.output_dir, st)
+                self._save(run_log, st)
         finally:
             run_log.close()
             # Only the trackers stop here: the export and the summary's gather still need the
@@ -659,6 +669,16 @@ class PackedTrainer:
                 self.acc, self.model, self.tokenizer, os.path.join(cfg.output_dir, "final")
             )
         return self._finish(run_log, evals)
+
+    def _save(self, run_log: RunLogger, st: ckpt.RunState) -> None:
+        """A checkpoint, then --save-total-limit's pruning; one line for both."""
+        path = ckpt.save_checkpoint(self.acc, self.cfg.output_dir, st)
+        removed = ckpt.prune_checkpoints(self.acc, self.cfg.output_dir, self.cfg.save_total_limit)
+        gone = [os.path.basename(p) for p in removed]
+        run_log.message(
+            f"saved {path}"
+            + (f" (removed {', '.join(gone)}: --save-total-limit keeps the newest)" if gone else "")
+        )
 
     def close(self) -> None:
         """End the process group of a multi-process run once every rank is through its summary;
@@ -731,6 +751,7 @@ class PackedTrainer:
             ),
             ranks=ranks_summary(self.acc, self.device, self.rank_real_tokens, run_log.records),
             profile=self.profiler.result,
+            vs_padded=self._padded_alternative(),
         )
         if self.acc.is_main_process:
             import json

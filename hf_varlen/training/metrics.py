@@ -304,6 +304,8 @@ def format_summary(s: dict[str, Any]) -> str:
         "(budget fill)",
         f"  memory      peak {s['peak_mem_gib']:.2f} GiB ({mem_kind})",
     ]
+    if s.get("vs_padded"):  # after the tokens line: the padding this run avoids
+        lines.insert(len(lines) - 1, f"  vs padded   {s['vs_padded']['text']}")
     if s.get("ranks"):
         lines.append(f"  ranks       {s['ranks']['text']}")
     if s.get("static_shapes"):

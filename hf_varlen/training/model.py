@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections import Counter
@@ -32,6 +33,34 @@ from .sources import hub_access, local_or_hub
 logger = logging.getLogger("hf_varlen.training")
 
 
+@contextlib.contextmanager
+def hub_answers(flag: str, source: str):
+    """transformers turns the Hub's "no such repository / revision" and "gated" answers into a bare
+    OSError; name the option and the fix instead (a FileNotFoundError: a usage error, exit 2)."""
+    try:
+        yield
+    except OSError as exc:
+        from huggingface_hub.errors import (
+            GatedRepoError,
+            RepositoryNotFoundError,
+            RevisionNotFoundError,
+        )
+
+        cause = exc.__cause__ or exc.__context__
+        if isinstance(cause, GatedRepoError):  # before its base class, RepositoryNotFoundError
+            fix = "it is gated: accept its terms on its Hub page, then `hf auth login`"
+        elif isinstance(cause, RepositoryNotFoundError):
+            fix = (
+                "the Hugging Face Hub has no such repository (or it is private: `hf auth "
+                "login`); check the id, or pass a local folder"
+            )
+        elif isinstance(cause, RevisionNotFoundError):
+            fix = "the Hub repository has no such revision; check the id"
+        else:
+            raise
+        raise FileNotFoundError(f"{flag} {source!r}: {fix}") from exc
+
+
 def load_tokenizer(cfg: TrainConfig):
     name = cfg.tokenizer
     if name == "bytes" or (name is None and cfg.model in PRESETS):
@@ -41,7 +70,8 @@ def load_tokenizer(cfg: TrainConfig):
     flag = "--tokenizer" if name else "--model"
     source, local = local_or_hub(flag, name or cfg.model)
     extra = {} if local else hub_access(flag, source, filename="tokenizer_config.json")
-    tok = AutoTokenizer.from_pretrained(source, **extra)
+    with hub_answers(flag, source):
+        tok = AutoTokenizer.from_pretrained(source, **extra)
     tok.padding_side = "right"
     if tok.pad_token_id is None:
         if tok.eos_token_id is None:
@@ -194,9 +224,10 @@ def build_model(cfg: TrainConfig, tokenizer, precision: str, device: torch.devic
         if cfg.load_in_4bit:
             extra.update(quantization_kwargs(device or torch.device("cpu")))
         try:
-            model = AutoModelForCausalLM.from_pretrained(
-                source, attn_implementation=attn, dtype=dtype, **extra, **overrides
-            )
+            with hub_answers("--model", source):
+                model = AutoModelForCausalLM.from_pretrained(
+                    source, attn_implementation=attn, dtype=dtype, **extra, **overrides
+                )
         except ValueError as exc:
             if "attn_implementation" in str(exc):
                 raise ValueError(

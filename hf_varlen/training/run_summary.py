@@ -3,7 +3,7 @@
 ``data_text``: one line saying what was trained on. ``static_shapes_summary``: with
 ``--static-shapes``, the bucket shapes that ran (over all ranks) and the padding they cost.
 ``ranks_summary``: with several processes, each rank's real tokens and peak memory and the per-step
-rank imbalance. The whole-run numbers from the step records are ``metrics.summarize``.
+rank imbalance. ``padded_alternative``: what a padded trainer would compute on the same examples. The whole-run numbers from the step records are ``metrics.summarize``.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from .config import TrainConfig
@@ -91,4 +92,33 @@ def ranks_summary(
             f"tokens of a step over ranks) mean {mean:.3f}, worst {worst:.3f}; peak memory per "
             f"rank {', '.join(f'{p:.2f}' for p in peaks)} GiB"
         ),
+    }
+
+
+def padded_alternative(lengths: np.ndarray, micro_batches: int, seed: int) -> dict[str, Any]:
+    """The padding this run avoids, against what a padded trainer does with the same examples.
+
+    A token-budget run's micro-batches are best-fit packs (similar lengths together), so padding
+    *them* to their longest example costs little and says nothing about the alternative. A padded
+    trainer instead draws batches of B examples in shuffled order and pads each to its longest;
+    this is that, with B the run's mean examples per micro-batch (``len(lengths)`` over
+    ``micro_batches``, all ranks) and the run's seed for the shuffle.
+
+    lengths: [N] tokens of each training example (after truncation).
+    Returns ``examples_per_batch`` (B), ``efficiency`` (real / padded tokens) and ``text``.
+    """
+    n = len(lengths)
+    per_batch = max(1, round(n / max(micro_batches, 1)))
+    order = np.random.default_rng(seed).permutation(n)
+    real = padded = 0
+    for start in range(0, n, per_batch):
+        chunk = lengths[order[start : start + per_batch]]
+        real += int(chunk.sum())
+        padded += len(chunk) * int(chunk.max())
+    eff = real / padded if padded else 0.0
+    return {
+        "examples_per_batch": per_batch,
+        "efficiency": eff,
+        "text": f"shuffled batches of {per_batch} examples padded to their longest would be "
+        f"{eff:.1%} real tokens: packing avoids computing {1 - eff:.1%} padding",
     }
