@@ -215,10 +215,15 @@ def _metadata(query, key, attention_mask, kwargs) -> VarlenMetadata:
         # checked to cover the batch once per forward in eager mode (one sync), never per layer
         return from_collator_kwargs(cu_q, cu_k, max_q, max_k, bsz * q_len, bsz * kv_len)
     if attention_mask is not None:
-        if attention_mask.dim() != 2:
+        # (B, K) from a caller, or (B, 1, 1, K) from our mask function (possibly sliced on dim 2)
+        padding = attention_mask.dim() == 2 or (
+            attention_mask.dim() == 4 and attention_mask.shape[1] == attention_mask.shape[2] == 1
+        )
+        if not padding:
             raise ValueError(
-                f"varlen_packed expects a 2-D (batch, kv_len) padding mask, got shape "
-                f"{tuple(attention_mask.shape)}; was the model built with another attn_implementation's mask?"
+                f"varlen_packed expects a (batch, kv_len) or (batch, 1, 1, kv_len) padding mask, "
+                f"got shape {tuple(attention_mask.shape)}; was the model built with another "
+                "attn_implementation's mask?"
             )
         return from_padding_mask(attention_mask, q_len)
     position_ids = kwargs.get("position_ids")
@@ -302,10 +307,14 @@ def varlen_packed_forward(
 
 
 def varlen_packed_mask(*args, **kwargs):
-    """Mask function: None for packed / unpadded batches, else the 2-D bool padding mask.
+    """Mask function: None for packed / unpadded batches, else the bool padding mask (B, 1, 1, K).
 
-    The same contract as transformers' FlashAttention mask function (which we reuse): the attention
-    function unpads by itself, so no dense (T x T) mask is ever built. Called once per forward
+    The contract of transformers' FlashAttention mask function (which we reuse): the attention
+    function unpads by itself, so no dense (T x T) mask is ever built. The padding mask is handed
+    on as a (B, 1, 1, K) view rather than (B, K) because our name does not contain "flash": model
+    code that treats every non-flash mask as 4-D (e.g. Gemma 4 slicing ``mask[:, :, -n:, :]`` for
+    its KV-shared layers) must find four dimensions, and dims of size 1 survive any such slice.
+    Called once per forward
     before any layer, it is also where a model that cannot run under varlen_packed (legacy
     attention, a 4-D mask) is refused, and where packed position_ids are noted for the attention
     function. Both checks are skipped while torch.compile traces (they run in eager mode).
@@ -317,7 +326,10 @@ def varlen_packed_mask(*args, **kwargs):
         if config is not None:
             _check_config(config)
         _remember_mask_call(kwargs)
-    return flash_attention_mask(*args, **kwargs)
+    mask = flash_attention_mask(*args, **kwargs)
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+        mask = mask[:, None, None, :]
+    return mask
 
 
 def register(name: str = DEFAULT_NAME) -> str:
