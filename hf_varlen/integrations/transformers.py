@@ -16,6 +16,8 @@ Where documents come from (first match wins; see hf_varlen.metadata):
 
 from __future__ import annotations
 
+import inspect
+import sys
 import threading
 import weakref
 
@@ -30,6 +32,8 @@ from ..metadata import (
     from_position_ids,
     from_rows,
 )
+from .linear_attention import has_linear_attention
+from .linear_attention import is_installed as is_linear_attention_installed
 
 DEFAULT_NAME = "varlen_packed"
 
@@ -72,10 +76,35 @@ def _model_name(config) -> str:
     return f"model_type={getattr(config, 'model_type', None)!r} ({type(config).__name__})"
 
 
+def _dispatches_through_interface(model_cls: type) -> bool:
+    """Whether the modeling file of ``model_cls`` calls its attention through transformers'
+    ``ALL_ATTENTION_FUNCTIONS``: then the class flag ``_supports_attention_backend = False`` is
+    stale (transformers moves families onto the interface release by release and some, e.g.
+    stablelm and the hybrid Qwen3-Next / Qwen3.5 / OLMo-hybrid, keep the flag), and the family
+    runs under varlen_packed; tests/test_all_families.py proves each such family exact."""
+    module = sys.modules.get(model_cls.__module__)
+    try:
+        source = inspect.getsource(module) if module is not None else ""
+    except (OSError, TypeError):  # no source (a frozen or compiled module): keep the flag's word
+        return False
+    return (
+        "ALL_ATTENTION_FUNCTIONS.get_interface(" in source or "ALL_ATTENTION_FUNCTIONS[" in source
+    )
+
+
 def _unsupported_reason(model_cls: type) -> str | None:
-    """Why a model class cannot run under varlen_packed, or None. Class flags only."""
+    """Why a model class cannot run under varlen_packed, or None. Class flags (and whether its
+    modeling file dispatches through the attention interface) only."""
     name = model_cls.__name__
-    if not model_cls.is_backend_compatible():
+    stale_flag = not model_cls.is_backend_compatible() and _dispatches_through_interface(model_cls)
+    if stale_flag and "position_ids" not in inspect.signature(model_cls.forward).parameters:
+        return (
+            f"{name} keeps _supports_attention_backend = False and its forward takes no "
+            "position_ids (learned positions counted from the start of the row, e.g. the "
+            "decoders of encoder-decoder families), so the positions of a packed row cannot "
+            "restart at each document"
+        )
+    if not model_cls.is_backend_compatible() and not stale_flag:
         return (
             f"{name} does not dispatch its attention through transformers' AttentionInterface "
             "(legacy attention classes, _supports_attention_backend = False), so varlen_packed "
@@ -109,12 +138,41 @@ def _check_config(config) -> None:
         )
 
 
+def _config_reason(config) -> str | None:
+    """Why this config (not its class) needs more than varlen_packed does, or None: the fields
+    that make transformers refuse FlashAttention for the same model."""
+    if getattr(config, "alibi", False) is True:
+        return (
+            "config.alibi=True adds an ALiBi position bias to the attention mask, which "
+            f"{_MASK_CONTRACT} cannot carry"
+        )
+    if getattr(config, "prefix_lm", False) is True:
+        return (
+            "config.prefix_lm=True needs the PrefixLM 4-D mask overlay (bidirectional prefix), "
+            f"which {_MASK_CONTRACT} cannot carry; set config.prefix_lm=False to train it causally"
+        )
+    return None
+
+
+def _check_config_fields(config) -> None:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    reason = _config_reason(config) or (_config_reason(text) if text is not config else None)
+    if reason is not None:
+        raise ValueError(
+            f"attn_implementation='varlen_packed' cannot serve {_model_name(config)}: {reason}. "
+            "Load it with attn_implementation='sdpa' or 'eager'"
+        )
+
+
 def check_model(model: torch.nn.Module) -> None:
     """Raise now, naming the model, if it cannot run under varlen_packed (no forward needed).
 
     The same class checks run by themselves at the first forward (from the mask function); this
     also covers models that never build a mask through transformers' masking utilities.
     """
+    config = getattr(model, "config", None)
+    if config is not None:
+        _check_config_fields(config)
     reason = _unsupported_reason(type(model))
     if reason is not None:
         raise ValueError(
@@ -237,6 +295,28 @@ def _metadata(query, key, attention_mask, kwargs) -> VarlenMetadata:
     return from_rows(bsz, q_len, kv_len, query.device)
 
 
+def _check_linear_attention(module, kwargs) -> None:
+    """Raise for a packed row of a hybrid model whose linear-attention layers would carry their
+    state across documents (see hf_varlen.integrations.linear_attention)."""
+    config = getattr(module, "config", None)
+    if config is None or not has_linear_attention(config):
+        return
+    if not is_linear_attention_installed(config):
+        raise ValueError(
+            f"{_model_name(config)} has linear-attention (gated DeltaNet) layers, which would "
+            "carry their recurrent state from one packed document into the next: call "
+            "hf_varlen.install_linear_attention(model) once after loading (they then restart at "
+            "every document boundary), or train this model on padded, unpacked batches"
+        )
+    if kwargs.get("cu_seq_lens_q") is None:
+        raise ValueError(
+            f"{_model_name(config)}: this batch packs several documents into one row by "
+            "position_ids alone, which its linear-attention layers never receive; give the batch "
+            "the document offsets cu_seq_lens_q/k and max_length_q/k (hf_varlen.PackingCollator() "
+            "adds them, as does DataCollatorWithFlattening(return_flash_attn_kwargs=True))"
+        )
+
+
 def varlen_packed_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -274,6 +354,8 @@ def varlen_packed_forward(
     ):
         _check_positions_reached(module, query, key)
     meta = _metadata(query, key, attention_mask, kwargs)
+    if bsz == 1 and meta.cu_seqlens_q.shape[0] > 2 and not torch.compiler.is_compiling():
+        _check_linear_attention(module, kwargs)
     # (B, H, T, D) -> (B*T, H, D): a view for B == 1 (packed batches), a copy otherwise.
     q = query.transpose(1, 2).reshape(bsz * q_len, h_q, head_dim)
     k = key.transpose(1, 2).reshape(-1, key.shape[1], head_dim)
@@ -325,6 +407,7 @@ def varlen_packed_mask(*args, **kwargs):
         config = kwargs.get("config")
         if config is not None:
             _check_config(config)
+            _check_config_fields(config)
         _remember_mask_call(kwargs)
     mask = flash_attention_mask(*args, **kwargs)
     if isinstance(mask, torch.Tensor) and mask.dim() == 2:
