@@ -25,6 +25,7 @@ Shapes: hidden_states (1, T, hidden) for a packed row (T tokens, documents at cu
 
 from __future__ import annotations
 
+import re
 import weakref
 
 import torch
@@ -45,11 +46,30 @@ def is_linear_attention_layer(module: nn.Module) -> bool:
     return type(module).__name__.endswith("GatedDeltaNet")
 
 
-def has_linear_attention(config) -> bool:
-    """Whether ``config`` (or its text config) declares linear-attention layers."""
+# config fields listing each layer's kind, and the kinds that carry a state along the row
+_KIND_FIELDS = ("layer_types", "layers_block_type", "block_types", "layers_block_types")
+_STATEFUL = re.compile(r"linear|mamba|recurrent|conv|ssm|lightning|rnn|delta", re.IGNORECASE)
+
+
+def stateful_layer_kinds(config) -> list[str]:
+    """The kinds of layer in ``config`` (or its text config) that carry a state along the row
+    (linear attention, Mamba, RG-LRU, short convolutions), sorted; [] for a pure transformer."""
+    kinds: set[str] = set()
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    types = getattr(text, "layer_types", None) or ()
-    return any(str(t) == "linear_attention" for t in types)
+    for cfg in {id(config): config, id(text): text}.values():
+        fields = vars(cfg)
+        for key in _KIND_FIELDS:
+            value = fields.get(key)
+            if isinstance(value, (list, tuple)):
+                kinds |= {str(t) for t in value if _STATEFUL.search(str(t))}
+        if any(k.startswith(("mamba_", "ssm_")) for k in fields):
+            kinds.add("mamba")
+    return sorted(kinds)
+
+
+def has_linear_attention(config) -> bool:
+    """Whether ``config`` declares gated-DeltaNet-style ``linear_attention`` layers."""
+    return "linear_attention" in stateful_layer_kinds(config)
 
 
 def is_installed(config) -> bool:

@@ -32,8 +32,8 @@ from ..metadata import (
     from_position_ids,
     from_rows,
 )
-from .linear_attention import has_linear_attention
 from .linear_attention import is_installed as is_linear_attention_installed
+from .linear_attention import stateful_layer_kinds
 
 DEFAULT_NAME = "varlen_packed"
 
@@ -143,13 +143,14 @@ def _config_reason(config) -> str | None:
     that make transformers refuse FlashAttention for the same model."""
     if getattr(config, "alibi", False) is True:
         return (
-            "config.alibi=True adds an ALiBi position bias to the attention mask, which "
-            f"{_MASK_CONTRACT} cannot carry"
+            "config.alibi=True adds an ALiBi position bias to the attention mask; "
+            f"{_MASK_CONTRACT}, which cannot carry it"
         )
     if getattr(config, "prefix_lm", False) is True:
         return (
-            "config.prefix_lm=True needs the PrefixLM 4-D mask overlay (bidirectional prefix), "
-            f"which {_MASK_CONTRACT} cannot carry; set config.prefix_lm=False to train it causally"
+            "config.prefix_lm=True needs the PrefixLM 4-D mask overlay (a bidirectional "
+            f"prefix); {_MASK_CONTRACT}, which cannot carry it; set config.prefix_lm=False to "
+            "train it causally"
         )
     return None
 
@@ -295,25 +296,52 @@ def _metadata(query, key, attention_mask, kwargs) -> VarlenMetadata:
     return from_rows(bsz, q_len, kv_len, query.device)
 
 
-def _check_linear_attention(module, kwargs) -> None:
-    """Raise for a packed row of a hybrid model whose linear-attention layers would carry their
-    state across documents (see hf_varlen.integrations.linear_attention)."""
+_ROW_POSITIONS: dict[type, bool] = {}  # attention class -> positions counted from padding_idx
+
+
+def _positions_from_padding_idx(module) -> bool:
+    """RoBERTa-style embeddings (positions start at padding_idx + 1, counted from the row start
+    unless position_ids are given): packed 0-based position_ids would shift every position."""
+    cls = type(module)
+    if cls not in _ROW_POSITIONS:
+        try:
+            source = inspect.getsource(sys.modules[cls.__module__])
+        except (KeyError, OSError, TypeError):
+            source = ""
+        _ROW_POSITIONS[cls] = "def create_position_ids_from_input_ids" in source
+    return _ROW_POSITIONS[cls]
+
+
+def _check_packed_row(module, kwargs) -> None:
+    """Raise for a row packing several documents where something besides attention would cross
+    document boundaries: layers that carry a state along the row (see
+    hf_varlen.integrations.linear_attention), or positions that packing cannot restart."""
     config = getattr(module, "config", None)
-    if config is None or not has_linear_attention(config):
+    if config is None:
         return
-    if not is_linear_attention_installed(config):
+    kinds = stateful_layer_kinds(config)
+    if kinds and not is_linear_attention_installed(config):
         raise ValueError(
-            f"{_model_name(config)} has linear-attention (gated DeltaNet) layers, which would "
-            "carry their recurrent state from one packed document into the next: call "
-            "hf_varlen.install_linear_attention(model) once after loading (they then restart at "
-            "every document boundary), or train this model on padded, unpacked batches"
+            f"{_model_name(config)} has layers that carry a state along the row ({', '.join(kinds)}"
+            "), which would flow from one packed document into the next. "
+            "hf_varlen.install_linear_attention(model) makes gated DeltaNet layers (Qwen3-Next, "
+            "Qwen3.5, OLMo-hybrid) restart at every document boundary; other such layers (Mamba, "
+            "lightning attention, RG-LRU, short convolutions) cannot be packed yet: train this "
+            "model on padded, unpacked batches"
         )
-    if kwargs.get("cu_seq_lens_q") is None:
+    if kinds and kwargs.get("cu_seq_lens_q") is None:
         raise ValueError(
             f"{_model_name(config)}: this batch packs several documents into one row by "
             "position_ids alone, which its linear-attention layers never receive; give the batch "
             "the document offsets cu_seq_lens_q/k and max_length_q/k (hf_varlen.PackingCollator() "
             "adds them, as does DataCollatorWithFlattening(return_flash_attn_kwargs=True))"
+        )
+    if _positions_from_padding_idx(module):
+        raise ValueError(
+            f"{_model_name(config)} counts its learned positions from padding_idx + 1 "
+            "(RoBERTa-style embeddings), so the 0-based position_ids of a packed row do not give "
+            "each document the positions it has alone; train this model on padded, unpacked "
+            "batches"
         )
 
 
@@ -355,7 +383,7 @@ def varlen_packed_forward(
         _check_positions_reached(module, query, key)
     meta = _metadata(query, key, attention_mask, kwargs)
     if bsz == 1 and meta.cu_seqlens_q.shape[0] > 2 and not torch.compiler.is_compiling():
-        _check_linear_attention(module, kwargs)
+        _check_packed_row(module, kwargs)
     # (B, H, T, D) -> (B*T, H, D): a view for B == 1 (packed batches), a copy otherwise.
     q = query.transpose(1, 2).reshape(bsz * q_len, h_q, head_dim)
     k = key.transpose(1, 2).reshape(-1, key.shape[1], head_dim)
