@@ -23,11 +23,10 @@ KNOWN = {
     ),
     ("gemma4_unified", "Gemma4UnifiedTextModel._maybe_slice_kv_shared_inputs"): "as gemma4",
     ("falcon", "FalconModel.forward"): (
-        "refuses ALiBi under flash; Falcon is refused by its class flag while it keeps ALiBi in "
-        "its own attention"
+        "refuses ALiBi under flash; varlen_packed refuses config.alibi=True the same way"
     ),
     ("gpt_bigcode", "GPTBigCodeModel.forward"): "encoder (cross-attention) mask only",
-    ("gpt_neo", "GPTNeoAttention.__init__"): "picks a legacy attention class; refused by class flag",
+    ("gpt_neo", "GPTNeoAttention.__init__"): "picks a legacy attention class: refused by flag",
     ("hrm_text", "HrmTextPreTrainedModel._check_and_adjust_attn_implementation"): (
         "refuses prefix_lm under flash; varlen_packed refuses config.prefix_lm=True the same way"
     ),

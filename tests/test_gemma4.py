@@ -100,7 +100,9 @@ def test_gemma4_padded_batch_equals_each_document(refs, model, side):
     for i, span in enumerate(spans):
         assert_numerics(f"gemma4 {side}-padded row {i}", full[i, span], hi[i], lo[i])
         if side == "left":  # the last position is each row's last real token
-            assert_numerics(f"gemma4 {side}-padded row {i}, logits_to_keep=1", last[i], hi[i][-1:], lo[i][-1:])
+            assert_numerics(
+                f"gemma4 {side}-padded row {i}, logits_to_keep=1", last[i], hi[i][-1:], lo[i][-1:]
+            )
 
 
 def test_gemma4_left_padded_generation_equals_eager(model):
