@@ -257,3 +257,16 @@ def test_dropped_position_ids_of_a_packed_batch_raise(kind):
         mask[1, 5:] = 0
         model(input_ids=_ids(8).expand(2, 8), attention_mask=mask)
         model.generate(input_ids=docs[0][None], max_new_tokens=3, do_sample=False)
+
+
+def test_config_fields_transformers_refuses_for_flash_are_refused():
+    """ALiBi (falcon) needs a position bias in the mask: refused as transformers refuses it for
+    FlashAttention, while the same class without it runs (hrm_text's config.prefix_lm=True, the
+    other such field, is refused in tests/test_all_families.py's sweep)."""
+    kw = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=4)
+    model = _tiny("falcon", **kw, alibi=True)
+    with pytest.raises(ValueError, match=r"model_type='falcon'.*config.alibi=True.*'sdpa'"):
+        check_model(model)
+    with pytest.raises(ValueError, match=r"config.alibi=True"), torch.no_grad():
+        model(input_ids=_ids())
+    check_model(_tiny("falcon", **kw, alibi=False))
