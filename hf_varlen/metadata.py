@@ -250,10 +250,11 @@ _MASK_CACHE = TensorCache()
 
 
 def from_padding_mask(attention_mask: torch.Tensor, q_len: int) -> VarlenMetadata:
-    """(B, T_k) 0/1 mask -> unpadding indices; queries are the last ``q_len`` columns (decoding)."""
+    """(B, T_k) or (B, 1, 1, T_k) 0/1 mask -> unpadding indices; queries are the last ``q_len``
+    columns (decoding)."""
 
     def build() -> VarlenMetadata:
-        mask_k = attention_mask.bool()
+        mask_k = attention_mask.bool().reshape(attention_mask.shape[0], attention_mask.shape[-1])
         mask_q = mask_k[:, -q_len:]
         lens_k = mask_k.sum(-1, dtype=torch.int32)
         lens_q = mask_q.sum(-1, dtype=torch.int32)

@@ -24,7 +24,7 @@ from transformers.models.cohere_compass.configuration_cohere_compass import (
 from transformers.models.cohere_compass.modeling_cohere_compass import CohereCompassForCausalLM
 
 import hf_varlen
-from hf_varlen.integrations.transformers import check_model
+from hf_varlen.integrations.transformers import _unsupported_reason, check_model
 from hf_varlen.testing import assert_numerics
 
 ATTN = hf_varlen.ATTN_IMPLEMENTATION
@@ -84,8 +84,11 @@ def _tiny(model_type, **kw):
 
 def _uses_attention_interface(model) -> bool:
     # transformers moves legacy classes onto its attention interface release by release (5.25:
-    # codegen, falcon, gptj); the tests follow the installed release's own flag
-    return bool(getattr(model, "_supports_attention_backend", False))
+    # codegen, falcon, gptj), and some keep a stale False class flag (5.25's falcon); the tests
+    # follow hf_varlen's reading of the installed release (the flag, or a modeling file that
+    # dispatches through ALL_ATTENTION_FUNCTIONS), and such a class must then be exact
+    cls = model if isinstance(model, type) else type(model)
+    return _unsupported_reason(cls) is None
 
 
 def _docs_and_batch():
@@ -247,3 +250,16 @@ def test_dropped_position_ids_of_a_packed_batch_raise(kind):
         mask[1, 5:] = 0
         model(input_ids=_ids(8).expand(2, 8), attention_mask=mask)
         model.generate(input_ids=docs[0][None], max_new_tokens=3, do_sample=False)
+
+
+def test_config_fields_transformers_refuses_for_flash_are_refused():
+    """ALiBi (falcon) needs a position bias in the mask: refused as transformers refuses it for
+    FlashAttention, while the same class without it runs (hrm_text's config.prefix_lm=True, the
+    other such field, is refused in tests/test_all_families.py's sweep)."""
+    kw = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=4)
+    model = _tiny("falcon", **kw, alibi=True)
+    with pytest.raises(ValueError, match=r"model_type='falcon'.*config.alibi=True.*'sdpa'"):
+        check_model(model)
+    with pytest.raises(ValueError, match=r"config.alibi=True"), torch.no_grad():
+        model(input_ids=_ids())
+    check_model(_tiny("falcon", **kw, alibi=False))

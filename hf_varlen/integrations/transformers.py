@@ -18,6 +18,8 @@ Attention sinks (``s_aux``, gpt-oss / granite_swa) go to ``varlen_attention(sink
 
 from __future__ import annotations
 
+import inspect
+import sys
 import threading
 import weakref
 
@@ -32,6 +34,8 @@ from ..metadata import (
     from_position_ids,
     from_rows,
 )
+from .linear_attention import is_installed as is_linear_attention_installed
+from .linear_attention import stateful_layer_kinds
 
 DEFAULT_NAME = "varlen_packed"
 
@@ -74,10 +78,35 @@ def _model_name(config) -> str:
     return f"model_type={getattr(config, 'model_type', None)!r} ({type(config).__name__})"
 
 
+def _dispatches_through_interface(model_cls: type) -> bool:
+    """Whether the modeling file of ``model_cls`` calls its attention through transformers'
+    ``ALL_ATTENTION_FUNCTIONS``: then the class flag ``_supports_attention_backend = False`` is
+    stale (transformers moves families onto the interface release by release and some, e.g.
+    stablelm and the hybrid Qwen3-Next / Qwen3.5 / OLMo-hybrid, keep the flag), and the family
+    runs under varlen_packed; tests/test_all_families.py proves each such family exact."""
+    module = sys.modules.get(model_cls.__module__)
+    try:
+        source = inspect.getsource(module) if module is not None else ""
+    except (OSError, TypeError):  # no source (a frozen or compiled module): keep the flag's word
+        return False
+    return (
+        "ALL_ATTENTION_FUNCTIONS.get_interface(" in source or "ALL_ATTENTION_FUNCTIONS[" in source
+    )
+
+
 def _unsupported_reason(model_cls: type) -> str | None:
-    """Why a model class cannot run under varlen_packed, or None. Class flags only."""
+    """Why a model class cannot run under varlen_packed, or None. Class flags (and whether its
+    modeling file dispatches through the attention interface) only."""
     name = model_cls.__name__
-    if not model_cls.is_backend_compatible():
+    stale_flag = not model_cls.is_backend_compatible() and _dispatches_through_interface(model_cls)
+    if stale_flag and "position_ids" not in inspect.signature(model_cls.forward).parameters:
+        return (
+            f"{name} keeps _supports_attention_backend = False and its forward takes no "
+            "position_ids (learned positions counted from the start of the row, e.g. the "
+            "decoders of encoder-decoder families), so the positions of a packed row cannot "
+            "restart at each document"
+        )
+    if not model_cls.is_backend_compatible() and not stale_flag:
         return (
             f"{name} does not dispatch its attention through transformers' AttentionInterface "
             "(legacy attention classes, _supports_attention_backend = False), so varlen_packed "
@@ -111,12 +140,42 @@ def _check_config(config) -> None:
         )
 
 
+def _config_reason(config) -> str | None:
+    """Why this config (not its class) needs more than varlen_packed does, or None: the fields
+    that make transformers refuse FlashAttention for the same model."""
+    if getattr(config, "alibi", False) is True:
+        return (
+            "config.alibi=True adds an ALiBi position bias to the attention mask; "
+            f"{_MASK_CONTRACT}, which cannot carry it"
+        )
+    if getattr(config, "prefix_lm", False) is True:
+        return (
+            "config.prefix_lm=True needs the PrefixLM 4-D mask overlay (a bidirectional "
+            f"prefix); {_MASK_CONTRACT}, which cannot carry it; set config.prefix_lm=False to "
+            "train it causally"
+        )
+    return None
+
+
+def _check_config_fields(config) -> None:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    reason = _config_reason(config) or (_config_reason(text) if text is not config else None)
+    if reason is not None:
+        raise ValueError(
+            f"attn_implementation='varlen_packed' cannot serve {_model_name(config)}: {reason}. "
+            "Load it with attn_implementation='sdpa' or 'eager'"
+        )
+
+
 def check_model(model: torch.nn.Module) -> None:
     """Raise now, naming the model, if it cannot run under varlen_packed (no forward needed).
 
     The same class checks run by themselves at the first forward (from the mask function); this
     also covers models that never build a mask through transformers' masking utilities.
     """
+    config = getattr(model, "config", None)
+    if config is not None:
+        _check_config_fields(config)
     reason = _unsupported_reason(type(model))
     if reason is not None:
         raise ValueError(
@@ -217,10 +276,15 @@ def _metadata(query, key, attention_mask, kwargs) -> VarlenMetadata:
         # checked to cover the batch once per forward in eager mode (one sync), never per layer
         return from_collator_kwargs(cu_q, cu_k, max_q, max_k, bsz * q_len, bsz * kv_len)
     if attention_mask is not None:
-        if attention_mask.dim() != 2:
+        # (B, K) from a caller, or (B, 1, 1, K) from our mask function (possibly sliced on dim 2)
+        padding = attention_mask.dim() == 2 or (
+            attention_mask.dim() == 4 and attention_mask.shape[1] == attention_mask.shape[2] == 1
+        )
+        if not padding:
             raise ValueError(
-                f"varlen_packed expects a 2-D (batch, kv_len) padding mask, got shape "
-                f"{tuple(attention_mask.shape)}; was the model built with another attn_implementation's mask?"
+                f"varlen_packed expects a (batch, kv_len) or (batch, 1, 1, kv_len) padding mask, "
+                f"got shape {tuple(attention_mask.shape)}; was the model built with another "
+                "attn_implementation's mask?"
             )
         return from_padding_mask(attention_mask, q_len)
     position_ids = kwargs.get("position_ids")
@@ -232,6 +296,55 @@ def _metadata(query, key, attention_mask, kwargs) -> VarlenMetadata:
             )
         return from_position_ids(position_ids)
     return from_rows(bsz, q_len, kv_len, query.device)
+
+
+_ROW_POSITIONS: dict[type, bool] = {}  # attention class -> positions counted from padding_idx
+
+
+def _positions_from_padding_idx(module) -> bool:
+    """RoBERTa-style embeddings (positions start at padding_idx + 1, counted from the row start
+    unless position_ids are given): packed 0-based position_ids would shift every position."""
+    cls = type(module)
+    if cls not in _ROW_POSITIONS:
+        try:
+            source = inspect.getsource(sys.modules[cls.__module__])
+        except (KeyError, OSError, TypeError):
+            source = ""
+        _ROW_POSITIONS[cls] = "def create_position_ids_from_input_ids" in source
+    return _ROW_POSITIONS[cls]
+
+
+def _check_packed_row(module, kwargs) -> None:
+    """Raise for a row packing several documents where something besides attention would cross
+    document boundaries: layers that carry a state along the row (see
+    hf_varlen.integrations.linear_attention), or positions that packing cannot restart."""
+    config = getattr(module, "config", None)
+    if config is None:
+        return
+    kinds = stateful_layer_kinds(config)
+    if kinds and not is_linear_attention_installed(config):
+        raise ValueError(
+            f"{_model_name(config)} has layers that carry a state along the row ({', '.join(kinds)}"
+            "), which would flow from one packed document into the next. "
+            "hf_varlen.install_linear_attention(model) makes gated DeltaNet layers (Qwen3-Next, "
+            "Qwen3.5, OLMo-hybrid) restart at every document boundary; other such layers (Mamba, "
+            "lightning attention, RG-LRU, short convolutions) cannot be packed yet: train this "
+            "model on padded, unpacked batches"
+        )
+    if kinds and kwargs.get("cu_seq_lens_q") is None:
+        raise ValueError(
+            f"{_model_name(config)}: this batch packs several documents into one row by "
+            "position_ids alone, which its linear-attention layers never receive; give the batch "
+            "the document offsets cu_seq_lens_q/k and max_length_q/k (hf_varlen.PackingCollator() "
+            "adds them, as does DataCollatorWithFlattening(return_flash_attn_kwargs=True))"
+        )
+    if _positions_from_padding_idx(module):
+        raise ValueError(
+            f"{_model_name(config)} counts its learned positions from padding_idx + 1 "
+            "(RoBERTa-style embeddings), so the 0-based position_ids of a packed row do not give "
+            "each document the positions it has alone; train this model on padded, unpacked "
+            "batches"
+        )
 
 
 def varlen_packed_forward(
@@ -265,15 +378,17 @@ def varlen_packed_forward(
         _check_positions_reached(module, query, key)
     if (
         attention_mask is not None
-        and attention_mask.dim() == 2
-        and attention_mask.shape[1] < key.shape[2]
+        and attention_mask.dim() in (2, 4)
+        and attention_mask.shape[-1] < key.shape[2]
     ):
-        # A static cache hands over all of its slots (max_cache_len) while the 2-D mask covers the
+        # A static cache hands over all of its slots (max_cache_len) while the padding mask covers the
         # tokens seen so far, which fill its first slots: the rest are empty (zeros), never to be
         # attended to, and the mask's unpadding indices are laid out for its own length. Keep the
         # filled slots, as transformers' FlashAttention path does.
-        key, value = key[:, :, : attention_mask.shape[1]], value[:, :, : attention_mask.shape[1]]
+        key, value = key[:, :, : attention_mask.shape[-1]], value[:, :, : attention_mask.shape[-1]]
     meta = _metadata(query, key, attention_mask, kwargs)
+    if bsz == 1 and meta.cu_seqlens_q.shape[0] > 2 and not torch.compiler.is_compiling():
+        _check_packed_row(module, kwargs)
     # (B, H, T, D) -> (B*T, H, D): a view for B == 1 (packed batches), a copy otherwise.
     q = query.transpose(1, 2).reshape(bsz * q_len, h_q, head_dim)
     k = key.transpose(1, 2).reshape(-1, key.shape[1], head_dim)
@@ -310,10 +425,14 @@ def varlen_packed_forward(
 
 
 def varlen_packed_mask(*args, **kwargs):
-    """Mask function: None for packed / unpadded batches, else the 2-D bool padding mask.
+    """Mask function: None for packed / unpadded batches, else the bool padding mask (B, 1, 1, K).
 
-    The same contract as transformers' FlashAttention mask function (which we reuse): the attention
-    function unpads by itself, so no dense (T x T) mask is ever built. Called once per forward
+    The contract of transformers' FlashAttention mask function (which we reuse): the attention
+    function unpads by itself, so no dense (T x T) mask is ever built. The padding mask is handed
+    on as a (B, 1, 1, K) view rather than (B, K) because our name does not contain "flash": model
+    code that treats every non-flash mask as 4-D (e.g. Gemma 4 slicing ``mask[:, :, -n:, :]`` for
+    its KV-shared layers) must find four dimensions, and dims of size 1 survive any such slice.
+    Called once per forward
     before any layer, it is also where a model that cannot run under varlen_packed (legacy
     attention, a 4-D mask) is refused, and where packed position_ids are noted for the attention
     function. Both checks are skipped while torch.compile traces (they run in eager mode).
@@ -324,10 +443,15 @@ def varlen_packed_mask(*args, **kwargs):
         config = kwargs.get("config")
         if config is not None:
             _check_config(config)
+            _check_config_fields(config)
         _remember_mask_call(kwargs)
     mask = flash_attention_mask(*args, **kwargs)
     if mask is None:
         mask = _static_cache_prefix(*args, **kwargs)
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+        # (B, K) -> (B, 1, 1, K): models that slice masks as 4-D unless the name says "flash"
+        # (Gemma 4's KV-shared layers) keep the padding mask intact (_padding_mask_2d undoes it)
+        mask = mask[:, None, None, :]
     return mask
 
 

@@ -1,0 +1,168 @@
+"""Hybrid models (Qwen3-Next, Qwen3.5, OLMo-hybrid): linear-attention layers that restart their
+state at every document boundary of a packed batch.
+
+Their full-attention layers go through ``varlen_packed`` like any other model. Their gated
+DeltaNet layers carry a recurrent state (and a short causal convolution) along the row: in a
+packed row that state would flow from one document into the next. transformers 5.25 passes the
+collator's ``cu_seq_lens_q`` to flash-linear-attention's ``chunk_gated_delta_rule`` when that
+package runs, but its short convolution gets no document offsets (the torch path and the
+``causal_conv1d`` package both convolve across the boundary), its torch fallback raises for
+``cu_seqlens``, and a batch packed by ``position_ids`` alone reaches these layers with no offsets
+at all.
+
+transformers offers no seam for a whole linear-attention layer (its ``use_kernelized_func`` hooks
+replace single functions through the ``kernels`` hub and get no offsets for the convolution), so
+``install_linear_attention(model)`` swaps the ``forward`` of each gated DeltaNet *instance* (never
+the class, never transformers' files; ``uninstall_linear_attention`` restores it), as
+``kernelize`` does for its layers. The new forward runs the layer's own forward once per document
+of the packed row (cache off, no padding mask), which is each document alone by construction, on
+any device and with or without flash-linear-attention (used per document where transformers finds
+it). Unpacked and padded batches, and decoding, go to the layer's own forward unchanged.
+
+Shapes: hidden_states (1, T, hidden) for a packed row (T tokens, documents at cu_seq_lens_q),
+(B, T, hidden) otherwise; the output has the same shape.
+"""
+
+from __future__ import annotations
+
+import re
+import weakref
+
+import torch
+from torch import nn
+
+from ..ops.common import TensorCache
+
+_ORIGINAL = "_hf_varlen_linear_attention_forward"  # instance attribute: the swapped-out forward
+# id(config) -> weakref(config), for the configs of models whose layers are installed (configs
+# are unhashable dataclasses)
+_INSTALLED: dict[int, weakref.ref] = {}
+_BOUNDS = TensorCache(size=4)
+_OFFSET_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+
+
+def is_linear_attention_layer(module: nn.Module) -> bool:
+    """A gated DeltaNet token mixer (transformers names them ``<Model>GatedDeltaNet``)."""
+    return type(module).__name__.endswith("GatedDeltaNet")
+
+
+# config fields listing each layer's kind, and the kinds that carry a state along the row
+_KIND_FIELDS = ("layer_types", "layers_block_type", "block_types", "layers_block_types")
+_STATEFUL = re.compile(r"linear|mamba|recurrent|conv|ssm|lightning|rnn|delta", re.IGNORECASE)
+
+
+def stateful_layer_kinds(config) -> list[str]:
+    """The kinds of layer in ``config`` (or its text config) that carry a state along the row
+    (linear attention, Mamba, RG-LRU, short convolutions), sorted; [] for a pure transformer."""
+    kinds: set[str] = set()
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for cfg in {id(config): config, id(text): text}.values():
+        fields = vars(cfg)
+        for key in _KIND_FIELDS:
+            value = fields.get(key)
+            if isinstance(value, (list, tuple)):
+                kinds |= {str(t) for t in value if _STATEFUL.search(str(t))}
+        if any(k.startswith(("mamba_", "ssm_")) for k in fields):
+            kinds.add("mamba")
+    return sorted(kinds)
+
+
+def has_linear_attention(config) -> bool:
+    """Whether ``config`` declares gated-DeltaNet-style ``linear_attention`` layers."""
+    return "linear_attention" in stateful_layer_kinds(config)
+
+
+def is_installed(config) -> bool:
+    ref = _INSTALLED.get(id(config)) if config is not None else None
+    return ref is not None and ref() is config
+
+
+def _configs(model: nn.Module) -> list:
+    out = []
+    for m in model.modules():
+        cfg = getattr(m, "config", None)
+        if cfg is not None and all(cfg is not c for c in out):
+            out.append(cfg)
+            if hasattr(cfg, "get_text_config") and cfg.get_text_config() is not cfg:
+                out.append(cfg.get_text_config())
+    return out
+
+
+def install_linear_attention(model: nn.Module) -> int:
+    """Make every gated DeltaNet layer of ``model`` restart at document boundaries; returns how
+    many layers were changed (0 for a model without any). Idempotent."""
+    n = 0
+    for module in model.modules():
+        if not is_linear_attention_layer(module):
+            continue
+        if _ORIGINAL not in module.__dict__:
+            module.__dict__[_ORIGINAL] = module.__dict__.get("forward")
+            module.forward = _packed_forward.__get__(module)
+        n += 1
+    if n:
+        for cfg in _configs(model):
+            _INSTALLED[id(cfg)] = weakref.ref(cfg)
+    return n
+
+
+def uninstall_linear_attention(model: nn.Module) -> int:
+    """Undo ``install_linear_attention``; returns how many layers were restored."""
+    n = 0
+    for module in model.modules():
+        if _ORIGINAL in module.__dict__:
+            previous = module.__dict__.pop(_ORIGINAL)
+            if previous is None:
+                del module.forward
+            else:
+                module.forward = previous
+            n += 1
+    for cfg in _configs(model):
+        if is_installed(cfg):
+            del _INSTALLED[id(cfg)]
+    return n
+
+
+def _document_bounds(cu: torch.Tensor) -> list[tuple[int, int]]:
+    """cu_seq_lens (n_docs + 1,) -> [(start, end)] of the non-empty documents (one host read per
+    batch, shared by every layer: the same tensor object reaches all of them)."""
+
+    def build():
+        edges = cu.tolist()
+        return [(s, e) for s, e in zip(edges[:-1], edges[1:]) if e > s]
+
+    return _BOUNDS.get_or_compute(cu, build)
+
+
+def _packed_forward(self, hidden_states, cache=None, attention_mask=None, **kwargs):
+    saved = self.__dict__.get(_ORIGINAL)  # an instance forward set before ours (e.g. a hook)
+
+    def original(*args, **kw):
+        return saved(*args, **kw) if saved is not None else type(self).forward(self, *args, **kw)
+
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is None:
+        return original(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+    if hidden_states.shape[0] != 1:
+        raise ValueError(
+            f"{type(self).__name__}: a packed batch (cu_seq_lens_q) must be one row, got "
+            f"hidden_states of shape {tuple(hidden_states.shape)}"
+        )
+    if cache is not None:
+        raise ValueError(
+            f"{type(self).__name__}: a packed batch (cu_seq_lens_q) cannot fill a recurrent "
+            "cache (each document has its own state); call the model with use_cache=False"
+        )
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise ValueError(
+            f"{type(self).__name__}: a packed batch (cu_seq_lens_q) carries no padding mask; "
+            "drop attention_mask"
+        )
+    rest = {k: v for k, v in kwargs.items() if k not in _OFFSET_KWARGS}
+    bounds = _document_bounds(cu)
+    if bounds[-1][1] != hidden_states.shape[1]:
+        raise ValueError(
+            f"{type(self).__name__}: cu_seq_lens_q ends at {bounds[-1][1]} but the packed row has "
+            f"{hidden_states.shape[1]} tokens"
+        )
+    outs = [original(hidden_states[:, s:e], cache=None, **rest) for s, e in bounds]
+    return torch.cat(outs, dim=1)
