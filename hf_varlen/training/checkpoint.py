@@ -28,6 +28,7 @@ import os
 import re
 import shutil
 import struct
+import tempfile
 import zipfile
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -403,6 +404,49 @@ def export_model(accelerator, model, tokenizer, path: str) -> None:
         _publish(tmp, path)
 
     _on_main(accelerator, f"saving the final model to {path}", write)
+
+
+def check_output_paths(out: str, *, files: tuple[str, ...], folders: tuple[str, ...]) -> None:
+    """Refuse, before anything is loaded, an ``--output-dir`` the run could not write to: one that
+    is (or lies below) a regular file, one on a read-only file system or without write permission,
+    and ``files`` / ``folders`` (names under ``out`` the run will write) that exist as the other
+    kind. Creates ``out``. Raises ``ValueError`` naming the path and the fix; so a final export
+    into a file that is in the way fails now, not after the last training step."""
+    here = os.path.abspath(out)
+    while here and not os.path.exists(here):  # the first existing folder above (or ``out``)
+        parent = os.path.dirname(here)
+        if parent == here:
+            break
+        here = parent
+    if os.path.exists(here) and not os.path.isdir(here):
+        where = "is" if here == os.path.abspath(out) else f"lies below {here!r}, which is"
+        raise ValueError(
+            f"--output-dir {out!r} {where} a file, not a folder; choose another --output-dir "
+            "(or move the file away)"
+        )
+    try:
+        os.makedirs(out, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=TMP_PREFIX + "probe-", dir=out)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as exc:
+        raise ValueError(
+            f"--output-dir {out!r} cannot be written to ({exc.strerror or exc}); choose a folder "
+            "on a writable file system where you have write permission"
+        ) from None
+    for name in files:
+        if os.path.isdir(os.path.join(out, name)):
+            raise ValueError(
+                f"--output-dir {out!r}: {name} is a folder, but the run writes a file of that "
+                "name; move it away or choose another --output-dir"
+            )
+    for name in folders:
+        path = os.path.join(out, name)
+        if os.path.lexists(path) and not os.path.isdir(path):
+            raise ValueError(
+                f"--output-dir {out!r}: {name} is a file, but the run writes a folder of that "
+                "name there; move it away or choose another --output-dir"
+            )
 
 
 def prepare_output_dir(out: str, overwrite: bool, resumed_from: str | None, acc) -> None:

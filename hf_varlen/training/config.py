@@ -441,7 +441,19 @@ def parse_train_args(parser: argparse.ArgumentParser, argv: list[str] | None) ->
     pre.add_argument("--config", default=None)
     known, _ = pre.parse_known_args(argv)
     if known.config:
-        parser.set_defaults(**load_config_file(known.config))
+        values = load_config_file(known.config)
+        # Deleting a run is for this command line to ask, never a file: every run records its
+        # options in OUTPUT_DIR/config.yaml, and re-running that file (as --config is meant to)
+        # must not wipe the run it describes.
+        if values.pop("overwrite_output_dir", False):
+            import logging
+
+            logging.getLogger("hf_varlen.training").warning(
+                "--config %s: ignoring overwrite_output_dir: true (only --overwrite-output-dir "
+                "on the command line deletes a run)",
+                known.config,
+            )
+        parser.set_defaults(**values)
     return parser.parse_args(argv)
 
 

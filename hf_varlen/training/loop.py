@@ -43,7 +43,7 @@ from ..coverage import check_pending_offsets
 from ..packing import ExampleCountBatchSampler, TokenBudgetBatchSampler, rank_imbalance
 from . import checkpoint as ckpt
 from .compiling import ModelCompiler, check_compile
-from .config import TENSORBOARD_DIR, TrainConfig
+from .config import PROFILE_DIR, TENSORBOARD_DIR, TrainConfig
 from .data import (
     Batcher,
     Examples,
@@ -74,6 +74,7 @@ from .run_summary import data_text, ranks_summary, static_shapes_summary
 
 logger = logging.getLogger("hf_varlen.training")
 CONFIG_FILE = "config.yaml"  # in --output-dir
+METRICS_FILE = "metrics.jsonl"
 # What goes to --report-to each logged step (names as in metrics.jsonl).
 TRACKED = ("loss", "tokens_per_s", "packing_efficiency", "peak_mem_gib", "lr", "grad_norm")
 
@@ -217,6 +218,15 @@ class PackedTrainer:
             cfg.output_dir,
             processes=self.acc.num_processes,
             without_rng=cfg.resume_without_rng,
+        )
+        ckpt.check_output_paths(
+            cfg.output_dir,
+            files=(CONFIG_FILE, METRICS_FILE, "summary.json"),
+            folders=(
+                *(["final"] if cfg.save_final else []),
+                *([TENSORBOARD_DIR] if cfg.report_to == "tensorboard" else []),
+                *([PROFILE_DIR] if cfg.profile_step else []),
+            ),
         )
         ckpt.prepare_output_dir(
             cfg.output_dir, cfg.overwrite_output_dir, self.resumed_from, self.acc

@@ -1,0 +1,101 @@
+"""`hf-varlen train`, round two of "nothing lost, nothing silently wrong" (issue 45, training side).
+
+A saved config.yaml never deletes the run it describes; output-path problems, bad data and bad
+options are refused before the first step naming the file, line or option (exit 2); --resume
+checks that the checkpoint is one of this model and config; trackers and metrics.jsonl keep one
+history. Tiny models on CPU: seconds each.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import tempfile
+
+import pytest
+import yaml
+from tiny_runs import epoch_train_config
+
+from hf_varlen import cli
+
+tiny = epoch_train_config
+
+
+def _cli_args(cfg) -> list[str]:
+    return [
+        "train",
+        "--output-dir", cfg.output_dir,
+        "--builtin-examples", str(cfg.builtin_examples),
+        "--max-length", str(cfg.max_length),
+        "--tokens-per-batch", str(cfg.tokens_per_batch),
+        "--no-progress",
+        "--no-save-final",
+    ]  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------- #
+# Nothing lost
+
+
+def test_rerunning_a_saved_config_never_deletes_its_run(tmp_path, capsys):
+    cfg = tiny(tmp_path)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')  # an earlier run there
+    args = _cli_args(cfg) + ["--max-steps", "3", "--save-every", "3", "--overwrite-output-dir"]
+    assert cli.main(args) == 0
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    assert saved["overwrite_output_dir"] is True  # the record of what that command line asked
+    before = sorted(os.listdir(run))
+    metrics = (run / "metrics.jsonl").read_text()
+    capsys.readouterr()
+    # Re-running the saved file with no --output-dir (and no --overwrite-output-dir) is refused.
+    assert cli.main(["train", "--config", str(run / "config.yaml"), "--max-steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "already holds a run" in err and "--overwrite-output-dir" in err
+    assert sorted(os.listdir(run)) == before
+    assert (run / "metrics.jsonl").read_text() == metrics
+    assert (run / "checkpoint-3").is_dir()
+    # Only this command line's own flag deletes it.
+    again = ["train", "--config", str(run / "config.yaml"), "--max-steps", "1"]
+    assert cli.main([*again, "--overwrite-output-dir"]) == 0
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 1
+
+
+@pytest.mark.parametrize("what", ["final", "output_dir", "below_file"])
+def test_output_path_problems_are_refused_before_training(tmp_path, capsys, what):
+    cfg = tiny(tmp_path, max_steps=2)
+    out = tmp_path / "run"
+    if what == "final":
+        out.mkdir()
+        (out / "final").write_text("mine")
+    elif what == "output_dir":
+        out.write_text("mine")
+    else:
+        out.write_text("mine")
+        cfg.output_dir = str(out / "sub" / "dir")
+    args = _cli_args(cfg)
+    args[args.index("--no-save-final")] = "--save-final"
+    assert cli.main([*args, "--max-steps", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "is a file" in err and "--output-dir" in err, err
+    assert "final" in err if what == "final" else "is a file, not a folder" in err
+    # Nothing trained: no metrics were written anywhere.
+    assert not list(tmp_path.rglob("metrics.jsonl"))
+    target = out / "final" if what == "final" else out
+    assert target.read_text() == "mine"
+
+
+def test_read_only_output_dir_is_a_usage_error(tmp_path, capsys, monkeypatch):
+    real = tempfile.mkstemp
+    out = tmp_path / "run"
+
+    def read_only(*args, dir=None, **kwargs):
+        if dir is not None and os.path.abspath(dir).startswith(str(out)):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), dir)
+        return real(*args, dir=dir, **kwargs)
+
+    monkeypatch.setattr(tempfile, "mkstemp", read_only)
+    assert cli.main([*_cli_args(tiny(tmp_path)), "--max-steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "--output-dir" in err and "Read-only file system" in err, err
