@@ -9,6 +9,8 @@ history. Tiny models on CPU: seconds each.
 from __future__ import annotations
 
 import errno
+import json
+import logging
 import os
 import tempfile
 
@@ -17,6 +19,8 @@ import yaml
 from tiny_runs import epoch_train_config
 
 from hf_varlen import cli
+from hf_varlen.training import PackedTrainer
+from hf_varlen.training.checkpoint import CheckpointError
 
 tiny = epoch_train_config
 
@@ -99,3 +103,54 @@ def test_read_only_output_dir_is_a_usage_error(tmp_path, capsys, monkeypatch):
     assert cli.main([*_cli_args(tiny(tmp_path)), "--max-steps", "1"]) == 2
     err = capsys.readouterr().err
     assert "--output-dir" in err and "Read-only file system" in err, err
+
+
+# --------------------------------------------------------------------------------------------- #
+# Resume checks the model, the config and the data
+
+
+@pytest.fixture
+def llama_checkpoint(tmp_path):
+    PackedTrainer(tiny(tmp_path, max_steps=2, save_every=2)).run()
+    return tmp_path / "run" / "checkpoint-2"
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        (dict(model="tiny-mistral"), r"model_type: checkpoint 'llama' vs now 'mistral'"),
+        (dict(config_overrides="rms_norm_eps=0.5"), r"rms_norm_eps: checkpoint 1e-0\d vs now 0.5"),
+        (dict(builtin_examples=40), r"other data .*digest"),
+    ],
+)
+def test_resume_refuses_a_checkpoint_of_another_model_or_data(
+    tmp_path, llama_checkpoint, capsys, change, named
+):
+    cfg = tiny(tmp_path, max_steps=3, resume=str(llama_checkpoint), **change)
+    with pytest.raises(CheckpointError, match=named):
+        PackedTrainer(cfg)
+    args = [*_cli_args(cfg), "--max-steps", "3", "--resume", str(llama_checkpoint)]
+    for key, value in change.items():
+        args += [f"--{key.replace('_', '-')}", str(value)]
+    assert cli.main(args) == 2
+    assert "--resume" in capsys.readouterr().err
+
+
+def test_resume_of_a_checkpoint_without_fingerprints_warns_once(tmp_path, llama_checkpoint, caplog):
+    state_path = llama_checkpoint / "trainer_state.json"
+    original = state_path.read_text()
+    state = json.loads(original)
+    for key in ("model_config", "data"):
+        del state["fingerprint"][key]
+    state_path.write_text(json.dumps(state))
+    with caplog.at_level(logging.WARNING):
+        trainer = PackedTrainer(tiny(tmp_path, max_steps=3, resume=str(llama_checkpoint)))
+    assert trainer.state.step == 2
+    warnings = [r for r in caplog.records if "predates" in r.getMessage()]
+    assert len(warnings) == 1 and "model_config and data" in warnings[0].getMessage()
+    # with its fingerprints, the same model and data resume without a word
+    state_path.write_text(original)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert PackedTrainer(tiny(tmp_path, max_steps=3, resume=str(llama_checkpoint))).state.step
+    assert not [r for r in caplog.records if "predates" in r.getMessage()]

@@ -318,6 +318,14 @@ class PackedTrainer:
                 "processes": self.acc.num_processes,
                 "train_examples": len(self.train_ex),
                 "shuffle": cfg.shuffle,
+                ckpt.MODEL_KEY: {
+                    **ckpt.model_fingerprint(self.acc.unwrap_model(self.model).config),
+                    # LoRA adapters are part of what a checkpoint's weights are
+                    "lora (--lora-r, --lora-alpha, --lora-target)": (
+                        [cfg.lora_r, cfg.lora_alpha, cfg.lora_target] if cfg.lora else None
+                    ),
+                },
+                ckpt.DATA_KEY: ckpt.data_fingerprint(self.train_ex.input_ids, self.train_ex.labels),
             }
         )
         self.acc.register_for_checkpointing(self.scheduler, self.state)
@@ -325,6 +333,7 @@ class PackedTrainer:
         self.compiler = ModelCompiler(cfg)
         self.compiler.compile(self.acc.unwrap_model(self.model))
         if self.resumed_from:
+            ckpt.check_fingerprint(self.resumed_from, self.state.fingerprint)
             try:
                 self.acc.load_state(self.resumed_from)
             except (OSError, RuntimeError, KeyError, EOFError) as exc:
