@@ -120,7 +120,7 @@ def llama_checkpoint(tmp_path):
     [
         (dict(model="tiny-mistral"), r"model_type: checkpoint 'llama' vs now 'mistral'"),
         (dict(config_overrides="rms_norm_eps=0.5"), r"rms_norm_eps: checkpoint 1e-0\d vs now 0.5"),
-        (dict(builtin_examples=40), r"other data .*digest"),
+        (dict(max_length=160), r"other data .*digest"),
     ],
 )
 def test_resume_refuses_a_checkpoint_of_another_model_or_data(
