@@ -105,6 +105,13 @@ def _as_int_array(value: Any, where: str, allow_bool: bool = False) -> np.ndarra
             raise TypeError(f"{where}: expected integer token ids, got dtype {arr.dtype}")
     if arr.ndim != 1:
         raise ValueError(f"{where}: expected a 1-D sequence, got shape {tuple(arr.shape)}")
+    if arr.dtype == np.uint64 and arr.size and arr.max() > np.iinfo(np.int64).max:
+        # int64 would wrap such an id to a negative one, silently
+        i = int(np.argmax(arr > np.iinfo(np.int64).max))
+        raise ValueError(
+            f"{where}: token id {int(arr[i])} at index {i} does not fit int64 (the dtype of "
+            "input_ids and labels); token ids are below the vocabulary size"
+        )
     return arr.astype(np.int64, copy=False)
 
 

@@ -157,6 +157,9 @@ def _as_lengths(lengths: Any) -> np.ndarray:
         raise ValueError(f"lengths: expected a 1-D sequence of ints, got shape {tuple(arr.shape)}")
     if arr.dtype.kind not in "iu":
         raise TypeError(f"lengths: expected integer lengths, got dtype {arr.dtype}")
+    if arr.dtype == np.uint64 and arr.size and arr.max() > np.iinfo(np.int64).max:
+        i = int(np.argmax(arr > np.iinfo(np.int64).max))
+        raise ValueError(f"lengths: lengths[{i}] = {int(arr[i])} does not fit int64")
     arr = arr.astype(np.int64, copy=False)
     if arr.size and arr.min() < 0:
         i = int(np.argmin(arr))

@@ -14,11 +14,13 @@ import logging
 import os
 import tempfile
 
+import numpy as np
 import pytest
+import torch
 import yaml
 from tiny_runs import epoch_train_config
 
-from hf_varlen import cli
+from hf_varlen import PackingCollator, TokenBudgetBatchSampler, cli
 from hf_varlen.training import PackedTrainer
 from hf_varlen.training.checkpoint import CheckpointError
 
@@ -154,3 +156,33 @@ def test_resume_of_a_checkpoint_without_fingerprints_warns_once(tmp_path, llama_
     with caplog.at_level(logging.WARNING):
         assert PackedTrainer(tiny(tmp_path, max_steps=3, resume=str(llama_checkpoint))).state.step
     assert not [r for r in caplog.records if "predates" in r.getMessage()]
+
+
+# --------------------------------------------------------------------------------------------- #
+# Packing: ids that do not fit int64, rows over the sampler's budget
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_uint64_token_id_above_int64_is_refused_not_wrapped(kind):
+    ids = np.array([5, 2**63 + 7, 9], dtype=np.uint64)
+    if kind == "torch":  # the same bits (torch builds no uint64 tensor from such a numpy array)
+        ids = torch.from_numpy(ids.view(np.int64).copy()).view(torch.uint64)
+    with pytest.raises(
+        ValueError, match=r"features\[0\]\['input_ids'\]: token id 9223372036854775815"
+    ):
+        PackingCollator()([{"input_ids": ids}])
+    with pytest.raises(ValueError, match=r"lengths\[1\] = 9223372036854775815 does not fit"):
+        TokenBudgetBatchSampler(np.array([3, 2**63 + 7], dtype=np.uint64), 8)
+    # ids that fit are packed as they are
+    fine = PackingCollator()([{"input_ids": np.array([5, 2**62], dtype=np.uint64)}])
+    assert fine["input_ids"].tolist() == [[5, 2**62]]
+
+
+def test_sampler_budget_overflow_warns_once_and_max_length_respects_the_budget():
+    lengths = [40, 300, 120, 500, 60]
+    with pytest.warns(UserWarning, match=r"2 of 5 examples are longer than max_tokens=256") as rec:
+        sampler = TokenBudgetBatchSampler(lengths, 256, shuffle=False)
+    assert len(rec) == 1
+    feats = [{"input_ids": np.arange(n) % 50} for n in lengths]
+    rows = [PackingCollator(max_length=256)([feats[i] for i in b]) for b in sampler]
+    assert max(r["input_ids"].shape[1] for r in rows) == 256
