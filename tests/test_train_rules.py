@@ -186,3 +186,84 @@ def test_sampler_budget_overflow_warns_once_and_max_length_respects_the_budget()
     feats = [{"input_ids": np.arange(n) % 50} for n in lengths]
     rows = [PackingCollator(max_length=256)([feats[i] for i in b]) for b in sampler]
     assert max(r["input_ids"].shape[1] for r in rows) == 256
+
+
+# --------------------------------------------------------------------------------------------- #
+# Data the user must fix: named file and line, exit 2; --skip-bad-records skips it
+
+
+def _alpaca(i: int) -> dict:
+    return {"instruction": f"Add {i} and {i}.", "input": "", "output": f"{2 * i}"}
+
+
+def _records(path, **cfg):
+    from hf_varlen.training import TrainConfig
+    from hf_varlen.training.data import detect_format, load_records
+
+    config = TrainConfig(**cfg)
+    records = load_records(str(path), config)
+    return records, detect_format(records, config, str(path))
+
+
+def test_one_stray_record_does_not_decide_the_format(tmp_path, capsys):
+    path = tmp_path / "d.jsonl"
+    lines = [json.dumps({"text": "a stray text record"})] + [
+        json.dumps(_alpaca(i)) for i in range(60)
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    records, fmt = _records(path, skip_bad_records=True)
+    assert fmt == "alpaca" and len(records) == 60 and records.skipped == 1
+    with pytest.raises(
+        ValueError,
+        match=r"several formats \(60 alpaca, 1 text\); record 0 \(d.jsonl line 1\) is text",
+    ):
+        _records(path)
+    run = tiny(tmp_path, max_steps=1, dataset=str(path))
+    assert cli.main([*_cli_args(run), "--max-steps", "1", "--dataset", str(path)]) == 2
+    assert "d.jsonl line 1" in capsys.readouterr().err
+
+
+def test_utf8_bom_is_accepted(tmp_path):
+    for name in ("d.jsonl", "d.json"):
+        path = tmp_path / name
+        body = "\n".join(json.dumps(_alpaca(i)) for i in range(3))
+        if name == "d.json":
+            body = json.dumps([_alpaca(i) for i in range(3)])
+        path.write_bytes(b"\xef\xbb\xbf" + body.encode())
+        records, fmt = _records(path)
+        assert fmt == "alpaca" and len(records) == 3 and records.skipped == 0
+
+
+@pytest.mark.parametrize("name", ["d.jsonl", "d.json"])
+def test_latin1_byte_names_the_file_and_line(tmp_path, name, capsys):
+    path = tmp_path / name
+    lines = [json.dumps(_alpaca(i)).encode() for i in range(5)]
+    lines[3] = '{"instruction": "caf\u00e9", "output": "x"}'.encode("latin-1")
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    with pytest.raises(
+        ValueError, match=rf"{name}.*line 4 is not UTF-8 \(byte 0xe9 at column 21\)"
+    ):
+        _records(path)
+    records, _ = _records(path, skip_bad_records=True)
+    assert len(records) == 4 and records.skipped == 1
+    run = tiny(tmp_path, max_steps=1)
+    assert cli.main([*_cli_args(run), "--max-steps", "1", "--dataset", str(path)]) == 2
+    assert "line 4 is not UTF-8" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fmt", ["alpaca", "chat"])
+def test_lone_surrogate_names_the_record(tmp_path, fmt):
+    path = tmp_path / "d.jsonl"
+    if fmt == "alpaca":
+        good = [json.dumps(_alpaca(i)) for i in range(3)]
+        bad = '{"instruction": "x\\ud800y", "output": "z"}'
+    else:
+        good = [
+            json.dumps({"messages": [{"role": "user", "content": f"hi {i}"}]}) for i in range(3)
+        ]
+        bad = '{"messages": [{"role": "user", "content": "x\\udc00"}]}'
+    path.write_text("\n".join([good[0], bad, *good[1:]]) + "\n")
+    with pytest.raises(ValueError, match=r"d.jsonl line 2.*lone surrogate \(U\+D[8C]00"):
+        _records(path)
+    records, _ = _records(path, skip_bad_records=True)
+    assert len(records) == 3 and records.skipped == 1
