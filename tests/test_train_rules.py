@@ -12,6 +12,7 @@ import errno
 import json
 import logging
 import os
+import re
 import tempfile
 
 import numpy as np
@@ -267,3 +268,74 @@ def test_lone_surrogate_names_the_record(tmp_path, fmt):
         _records(path)
     records, _ = _records(path, skip_bad_records=True)
     assert len(records) == 3 and records.skipped == 1
+
+
+# --------------------------------------------------------------------------------------------- #
+# Options and files the user must fix: exit 2 naming them
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "named"),
+    [
+        ("epochs: .inf", "--epochs: expected a finite number > 0, got inf"),
+        ("epochs: .nan", "--epochs: expected a finite number > 0, got nan"),
+        ("peak_tflops: -5", "--peak-tflops: expected .* > 0, got -5.0"),
+        ("peak_tflops: 0", "--peak-tflops: expected .* > 0, got 0.0"),
+        ("lr: .inf", "--lr: expected a finite value >= 0, got inf"),
+        ("run_name: ../outside", "--run-name: expected one folder name .* got '../outside'"),
+        ("run_name: a/b", "--run-name: expected one folder name"),
+        ("run_name: /abs/path", "--run-name: expected one folder name"),
+    ],
+)
+def test_bad_numbers_and_run_names_are_usage_errors(tmp_path, capsys, yaml_text, named):
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml_text + "\n")
+    out = tmp_path / "out"
+    assert cli.main(["train", "--config", str(path), "--output-dir", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert re.search(named, err), err
+    assert not out.exists()  # refused before anything was written
+
+
+def test_garbage_weights_on_resume_name_the_checkpoint_file(tmp_path, llama_checkpoint, capsys):
+    weights = llama_checkpoint / "model.safetensors"
+    size = weights.stat().st_size
+    weights.write_bytes(b"\xff" * size)  # same size: the manifest alone does not catch it
+    cfg = tiny(tmp_path, max_steps=3)
+    assert cli.main([*_cli_args(cfg), "--max-steps", "3", "--resume", str(llama_checkpoint)]) == 2
+    err = capsys.readouterr().err
+    assert "model.safetensors is damaged" in err and "header length" in err, err
+
+
+def test_full_disk_while_appending_metrics_names_the_file(tmp_path, monkeypatch):
+    from hf_varlen.training import metrics
+
+    init = metrics.RunLogger.__init__
+
+    def full_disk(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.path = "/dev/full"  # every write fails with ENOSPC
+
+    monkeypatch.setattr(metrics.RunLogger, "__init__", full_disk)
+    with pytest.raises(metrics.MetricsWriteError, match=r"step 1 to /dev/full failed: No space"):
+        PackedTrainer(tiny(tmp_path, max_steps=2)).run()
+
+
+# --------------------------------------------------------------------------------------------- #
+# Metrics and trackers keep one history
+
+
+def test_skipped_step_writes_null_not_bare_nan(tmp_path):
+    from test_train_failures import nan_at_steps
+
+    cfg = tiny(tmp_path, max_steps=3, on_nonfinite="skip", fused_loss="off")
+    PackedTrainer(cfg, model_hook=nan_at_steps(2)).run()
+    text = (tmp_path / "run" / "metrics.jsonl").read_text()
+    assert "NaN" not in text and "Infinity" not in text
+    records = [json.loads(line, parse_constant=_refuse) for line in text.splitlines()]
+    assert records[1]["step"] == 2 and records[1]["loss"] is None and records[1]["skipped"]
+    json.loads((tmp_path / "run" / "summary.json").read_text(), parse_constant=_refuse)
+
+
+def _refuse(name):
+    raise ValueError(f"not JSON: {name}")

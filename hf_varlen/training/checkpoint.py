@@ -80,7 +80,7 @@ class RunState:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         problem = fingerprint_mismatch(state.get("fingerprint", {}), self.fingerprint)
         if problem:
-            raise ValueError(f"--resume: {problem}")
+            raise ResumeMismatchError(f"--resume: {problem}")
         for key, value in state.items():
             if key != "fingerprint":
                 setattr(self, key, value)
@@ -206,7 +206,11 @@ def _damaged(path: str) -> str | None:
                 if len(head) < 8:
                     return "shorter than a safetensors header"
                 (n,) = struct.unpack("<Q", head)
+                if n > os.path.getsize(path) - 8:  # garbage: do not try to read n bytes
+                    return f"its header length ({n} bytes) runs past the end of the file"
                 header = json.loads(fh.read(n))
+                if not isinstance(header, dict):
+                    return "its header is not a JSON object"
             tensors = [v for k, v in header.items() if k != "__metadata__"]
             end = max((v["data_offsets"][1] for v in tensors), default=0)
             if os.path.getsize(path) < 8 + n + end:
@@ -218,7 +222,10 @@ def _damaged(path: str) -> str | None:
         elif name.endswith(".json"):
             with open(path, encoding="utf-8") as fh:
                 json.load(fh)
-    except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile, struct.error) as exc:
+    except (
+        OSError, ValueError, KeyError, TypeError, OverflowError, AttributeError, IndexError,
+        zipfile.BadZipFile, struct.error,
+    ) as exc:  # fmt: skip
         return f"unreadable ({type(exc).__name__}: {exc})"
     return None
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -292,13 +293,29 @@ class TrainConfig:
                 f"longest example fits one micro-batch, got {self.token_budget}; raise "
                 "--tokens-per-batch or lower --max-length"
             )
-        for name in ("max_grad_norm", "weight_decay"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"--{_flag(name)}: expected >= 0, got {getattr(self, name)}")
-        if not self.epochs > 0:
-            raise ValueError(f"--epochs: expected > 0, got {self.epochs}")
-        if self.lr is not None and not self.lr >= 0:
-            raise ValueError(f"--lr: expected >= 0, got {self.lr}")
+        # `not x >= 0` is also true for NaN; inf is refused where it has no meaning.
+        if not self.max_grad_norm >= 0:
+            raise ValueError(
+                f"--max-grad-norm: expected >= 0 (0: no clipping), got {self.max_grad_norm}"
+            )
+        if not 0 <= self.weight_decay < math.inf:
+            raise ValueError(
+                f"--weight-decay: expected a finite value >= 0, got {self.weight_decay}"
+            )
+        if not 0 < self.epochs < math.inf:
+            raise ValueError(
+                f"--epochs: expected a finite number > 0, got {self.epochs}; for a run of a fixed "
+                "length pass --max-steps"
+            )
+        if self.lr is not None and not 0 <= self.lr < math.inf:
+            raise ValueError(f"--lr: expected a finite value >= 0, got {self.lr}")
+        if self.peak_tflops is not None and not 0 < self.peak_tflops < math.inf:
+            raise ValueError(
+                f"--peak-tflops: expected the accelerator's peak TFLOP/s, a finite number > 0, got "
+                f"{self.peak_tflops}; leave it out to use the known GPUs' table"
+            )
+        if self.run_name is not None:
+            _check_run_name(self.run_name)
         if not 0.0 <= self.eval_split < 1.0:
             raise ValueError(f"--eval-split: expected a fraction in [0, 1), got {self.eval_split}")
         if not 0.0 <= self.lora_dropout < 1.0:
@@ -367,6 +384,22 @@ class TrainConfig:
         header = "# hf-varlen train --config this file (flags given with it override its keys)\n"
         with open(path, "w", encoding="utf-8") as fh:
             fh.write(header + yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+
+def _check_run_name(name: str) -> None:
+    """--run-name names a folder under OUTPUT_DIR/tensorboard (and a tracker project): one plain
+    name, so nothing is written outside --output-dir."""
+    if (
+        not name.strip()
+        or name in (".", "..")
+        or any(sep in name for sep in ("/", "\\", os.sep))
+        or os.path.isabs(name)
+        or "\0" in name
+    ):
+        raise ValueError(
+            f"--run-name: expected one folder name (no '/', '\\', '..' or absolute path: the "
+            f"tracker writes under OUTPUT_DIR/{TENSORBOARD_DIR}/RUN_NAME), got {name!r}"
+        )
 
 
 def _check_value(source: str, key: str, value: Any, hint: str) -> Any:

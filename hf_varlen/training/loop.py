@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError
 
 from ..coverage import check_pending_offsets
 from ..packing import ExampleCountBatchSampler, TokenBudgetBatchSampler, rank_imbalance
@@ -55,7 +56,15 @@ from .data import (
 )
 from .graphs import GraphedStep, resolve_graphs
 from .launch import cpu_requested, distribution
-from .metrics import RunLogger, environment, format_summary, peak_flops, plot_runs, summarize
+from .metrics import (
+    RunLogger,
+    environment,
+    finite_or_none,
+    format_summary,
+    peak_flops,
+    plot_runs,
+    summarize,
+)
 from .model import (
     apply_kernels,
     apply_lora,
@@ -336,9 +345,15 @@ class PackedTrainer:
             ckpt.check_fingerprint(self.resumed_from, self.state.fingerprint)
             try:
                 self.acc.load_state(self.resumed_from)
-            except (OSError, RuntimeError, KeyError, EOFError) as exc:
+            except ckpt.ResumeMismatchError:
+                raise
+            except (
+                OSError, RuntimeError, KeyError, EOFError, ValueError, OverflowError,
+                SafetensorError,
+            ) as exc:  # fmt: skip
                 raise ckpt.CheckpointError(
-                    f"--resume {self.resumed_from!r}: loading failed: {exc}"
+                    f"--resume {self.resumed_from!r}: loading failed ({type(exc).__name__}: "
+                    f"{exc}); the checkpoint is damaged: resume from another one"
                 ) from exc
             self._log(f"resumed from {self.resumed_from} at step {self.state.step}")
             self.profiler.check_resume(self.state.step)
@@ -702,7 +717,7 @@ class PackedTrainer:
             import json
 
             with open(os.path.join(cfg.output_dir, "summary.json"), "w", encoding="utf-8") as fh:
-                json.dump(summary, fh, indent=2)
+                json.dump(finite_or_none(summary), fh, indent=2, allow_nan=False)
             if cfg.plot:
                 plot_runs([cfg.output_dir], cfg.output_dir)
             print(format_summary(summary), flush=True)
