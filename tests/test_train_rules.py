@@ -339,3 +339,23 @@ def test_skipped_step_writes_null_not_bare_nan(tmp_path):
 
 def _refuse(name):
     raise ValueError(f"not JSON: {name}")
+
+
+def test_resume_of_an_earlier_checkpoint_purges_tensorboards_dead_branch(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = tiny(tmp_path, max_steps=4, save_every=2, report_to="tensorboard", run_name="tb")
+    PackedTrainer(cfg).run()
+    # resume from step 2 with another learning rate: steps 3 and 4 are a new branch
+    again = tiny(tmp_path, max_steps=4, report_to="tensorboard", run_name="tb", lr=5e-3)
+    again.resume = str(tmp_path / "run" / "checkpoint-2")
+    PackedTrainer(again).run()
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    acc = EventAccumulator(str(tmp_path / "run" / "tensorboard" / "tb"))
+    acc.Reload()
+    for key in ("lr", "loss"):
+        scalars = acc.Scalars(f"train/{key}")
+        assert [s.step for s in scalars] == [1, 2, 3, 4], key
+        assert [s.value for s in scalars] == pytest.approx([r[key] for r in records], rel=1e-6)

@@ -576,7 +576,13 @@ class PackedTrainer:
             name = cfg.run_name or os.path.basename(os.path.abspath(cfg.output_dir))
             # Trackers take flat str/int/float/bool hyperparameters (tensorboard: no None).
             hparams = {k: "none" if v is None else v for k, v in cfg.to_dict().items()}
-            self.acc.init_trackers(name, config=hparams)
+            init_kwargs = {}
+            if cfg.report_to == "tensorboard" and st.step:
+                # Resumed: events after the checkpoint's step belong to the run's dead branch (it
+                # went on past the checkpoint). metrics.jsonl is truncated for them; for the event
+                # files, SummaryWriter's purge_step makes TensorBoard drop them.
+                init_kwargs = {"tensorboard": {"purge_step": st.step + 1}}
+            self.acc.init_trackers(name, config=hparams, init_kwargs=init_kwargs)
         self.model.train()
         evals: list[dict[str, Any]] = []
         t_origin = time.perf_counter() - st.elapsed
