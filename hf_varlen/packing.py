@@ -45,6 +45,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import math
+import sys
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -300,7 +301,12 @@ def _pack(
         )
     if over.size and on_overflow is None:
         longest = int(raw[over].max())
-        warnings.warn(
+        # Once per packing, not once per process: warnings.warn would stay silent for every
+        # later sampler built at the same line (a loop over datasets or configs) under Python's
+        # default filter, though each can build rows over its budget. A fresh registry keeps the
+        # user's filters ("ignore", "error", "once") in force.
+        caller = sys._getframe(stacklevel - 1)
+        warnings.warn_explicit(
             f"{over.size} of {raw.size} examples are longer than max_tokens={max_tokens} (longest "
             f"{longest}); each is packed as a {max_tokens}-token batch of its own, so the collator "
             f"must cut it to match: PackingCollator(max_length={max_tokens}). A collator without "
@@ -308,7 +314,11 @@ def _pack(
             "on_overflow='truncate' to state that the collator truncates, or 'raise' to refuse "
             "such examples",
             UserWarning,
-            stacklevel=stacklevel,
+            caller.f_code.co_filename,
+            caller.f_lineno,
+            module=caller.f_globals.get("__name__"),
+            registry={},
+            module_globals=caller.f_globals,
         )
     eff = np.minimum(raw, max_tokens)
     kept = np.flatnonzero(eff > 0)

@@ -14,6 +14,7 @@ import logging
 import os
 import re
 import tempfile
+import warnings
 
 import numpy as np
 import pytest
@@ -359,3 +360,20 @@ def test_resume_of_an_earlier_checkpoint_purges_tensorboards_dead_branch(tmp_pat
         scalars = acc.Scalars(f"train/{key}")
         assert [s.step for s in scalars] == [1, 2, 3, 4], key
         assert [s.value for s in scalars] == pytest.approx([r[key] for r in records], rel=1e-6)
+
+
+def test_every_sampler_over_its_budget_warns_under_the_default_filter():
+    """Python's default filter shows a warning text once per code location: a second sampler
+    built at the same line (a loop, a rebuilt loader) would build rows over its budget silently."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        for _ in range(2):
+            TokenBudgetBatchSampler([40, 300, 120], 256)
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 2, messages
+    assert all("1 of 3 examples are longer than max_tokens=256" in m for m in messages)
+    assert all(w.filename == __file__ for w in caught)  # points at the user's line
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the user's filters still apply
+        with pytest.raises(UserWarning, match="PackingCollator\\(max_length=256\\)"):
+            TokenBudgetBatchSampler([300], 256)
