@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import tempfile
 import warnings
 
@@ -113,10 +114,19 @@ def test_read_only_output_dir_is_a_usage_error(tmp_path, capsys, monkeypatch):
 # Resume checks the model, the config and the data
 
 
+@pytest.fixture(scope="module")
+def _saved_llama_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("llama")
+    PackedTrainer(tiny(root, max_steps=2, save_every=2)).run()
+    return root / "run" / "checkpoint-2"
+
+
 @pytest.fixture
-def llama_checkpoint(tmp_path):
-    PackedTrainer(tiny(tmp_path, max_steps=2, save_every=2)).run()
-    return tmp_path / "run" / "checkpoint-2"
+def llama_checkpoint(_saved_llama_run, tmp_path):
+    """A tiny-llama checkpoint at step 2 (trained once per module), a copy of its own per test."""
+    copy = tmp_path / "saved" / "checkpoint-2"
+    shutil.copytree(_saved_llama_run, copy)
+    return copy
 
 
 @pytest.mark.parametrize(
@@ -319,7 +329,7 @@ def test_full_disk_while_appending_metrics_names_the_file(tmp_path, monkeypatch)
 
     monkeypatch.setattr(metrics.RunLogger, "__init__", full_disk)
     with pytest.raises(metrics.MetricsWriteError, match=r"step 1 to /dev/full failed: No space"):
-        PackedTrainer(tiny(tmp_path, max_steps=2)).run()
+        PackedTrainer(tiny(tmp_path, max_steps=1)).run()
 
 
 # --------------------------------------------------------------------------------------------- #
@@ -329,7 +339,7 @@ def test_full_disk_while_appending_metrics_names_the_file(tmp_path, monkeypatch)
 def test_skipped_step_writes_null_not_bare_nan(tmp_path):
     from test_train_failures import nan_at_steps
 
-    cfg = tiny(tmp_path, max_steps=3, on_nonfinite="skip", fused_loss="off")
+    cfg = tiny(tmp_path, max_steps=2, on_nonfinite="skip", fused_loss="off")
     PackedTrainer(cfg, model_hook=nan_at_steps(2)).run()
     text = (tmp_path / "run" / "metrics.jsonl").read_text()
     assert "NaN" not in text and "Infinity" not in text
@@ -346,19 +356,19 @@ def test_resume_of_an_earlier_checkpoint_purges_tensorboards_dead_branch(tmp_pat
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    cfg = tiny(tmp_path, max_steps=4, save_every=2, report_to="tensorboard", run_name="tb")
+    cfg = tiny(tmp_path, max_steps=3, save_every=2, report_to="tensorboard", run_name="tb")
     PackedTrainer(cfg).run()
-    # resume from step 2 with another learning rate: steps 3 and 4 are a new branch
-    again = tiny(tmp_path, max_steps=4, report_to="tensorboard", run_name="tb", lr=5e-3)
+    # resume from step 2 with another learning rate: step 3 is a new branch
+    again = tiny(tmp_path, max_steps=3, report_to="tensorboard", run_name="tb", lr=5e-3)
     again.resume = str(tmp_path / "run" / "checkpoint-2")
     PackedTrainer(again).run()
     records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert [r["step"] for r in records] == [1, 2, 3]
     acc = EventAccumulator(str(tmp_path / "run" / "tensorboard" / "tb"))
     acc.Reload()
     for key in ("lr", "loss"):
         scalars = acc.Scalars(f"train/{key}")
-        assert [s.step for s in scalars] == [1, 2, 3, 4], key
+        assert [s.step for s in scalars] == [1, 2, 3], key
         assert [s.value for s in scalars] == pytest.approx([r[key] for r in records], rel=1e-6)
 
 
