@@ -302,7 +302,9 @@ class TrainConfig:
             raise ValueError(
                 f"--weight-decay: expected a finite value >= 0, got {self.weight_decay}"
             )
-        if not 0 < self.epochs < math.inf:
+        if not self.epochs > 0 and math.isfinite(self.epochs):
+            raise ValueError(f"--epochs: expected > 0, got {self.epochs}")
+        if not math.isfinite(self.epochs):
             raise ValueError(
                 f"--epochs: expected a finite number > 0, got {self.epochs}; for a run of a fixed "
                 "length pass --max-steps"
