@@ -22,9 +22,12 @@ position_ids [0 1 2 3 4 0 1 2 0 1 2 3 4 5 6].
 
 Padding (``pad_to_multiple_of=m``, ``P = (-T_real) mod m``; ``P = m`` when ``T_real == 0``): the
 ``P`` pad tokens form one extra trailing segment, ``cu_seq_lens += [T_real + P]``, with input
-``pad_token_id``, labels -100 on every pad token, positions ``position_ids_start + arange(P)`` and
-``seq_idx = n``. Attention therefore treats the padding as its own causal document (real tokens
-never attend to it) and the loss never counts it. ``max_length`` includes the pad segment, so it is
+``pad_token_id``, labels -100 on every pad token, positions ``position_ids_start + arange(P) mod
+max(max_i L_i, 1)`` (they wrap at the longest real document, so the padding never uses a position
+the real tokens do not: a learned position table is never indexed past its end, and a RoPE scaling
+that follows the largest position id, e.g. dynamic NTK, sees the unpadded batch's) and ``seq_idx =
+n``. Attention therefore treats the padding as its own causal document (real tokens never attend
+to it) and the loss never counts it, whatever the model's position range. ``max_length`` includes the pad segment, so it is
 always >= the longest segment, as varlen kernels require. With padding, a batch without tokens
 (no examples, or only empty ones) becomes one full multiple of padding, so a data-parallel rank
 can still run a zero-label step; without padding it is a ``ValueError`` (a ``[1, 0]`` row cannot
@@ -102,6 +105,13 @@ def _as_int_array(value: Any, where: str, allow_bool: bool = False) -> np.ndarra
             raise TypeError(f"{where}: expected integer token ids, got dtype {arr.dtype}")
     if arr.ndim != 1:
         raise ValueError(f"{where}: expected a 1-D sequence, got shape {tuple(arr.shape)}")
+    if arr.dtype == np.uint64 and arr.size and arr.max() > np.iinfo(np.int64).max:
+        # int64 would wrap such an id to a negative one, silently
+        i = int(np.argmax(arr > np.iinfo(np.int64).max))
+        raise ValueError(
+            f"{where}: token id {int(arr[i])} at index {i} does not fit int64 (the dtype of "
+            "input_ids and labels); token ids are below the vocabulary size"
+        )
     return arr.astype(np.int64, copy=False)
 
 
@@ -457,8 +467,13 @@ class PackingCollator(DefaultDataCollator):
         batch: dict[str, Any] = {"input_ids": input_ids[None], "labels": labels[None]}
         if self.return_position_ids:
             seg_starts = np.repeat(starts, seg_lengths)
-            positions = np.arange(total, dtype=np.int64) - seg_starts + self.position_ids_start
-            batch["position_ids"] = positions[None]
+            positions = np.arange(total, dtype=np.int64) - seg_starts
+            # The pad segment's positions wrap at the longest real document, so they never pass a
+            # position the real tokens use: a learned position table (GPT-2's n_positions) is never
+            # indexed out of range, and what a model derives from the largest position id
+            # (dynamic-NTK / longrope RoPE scale all tokens by it) is that of the unpadded batch.
+            positions[real:] %= max(int(lengths.max()) if n_docs else 1, 1)
+            batch["position_ids"] = (positions + self.position_ids_start)[None]
         if self.return_seq_idx:
             seq_idx = np.repeat(np.arange(len(seg_lengths), dtype=np.int32), seg_lengths)
             batch["seq_idx"] = seq_idx[None]

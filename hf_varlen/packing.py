@@ -45,6 +45,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import math
+import sys
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -157,6 +158,9 @@ def _as_lengths(lengths: Any) -> np.ndarray:
         raise ValueError(f"lengths: expected a 1-D sequence of ints, got shape {tuple(arr.shape)}")
     if arr.dtype.kind not in "iu":
         raise TypeError(f"lengths: expected integer lengths, got dtype {arr.dtype}")
+    if arr.dtype == np.uint64 and arr.size and arr.max() > np.iinfo(np.int64).max:
+        i = int(np.argmax(arr > np.iinfo(np.int64).max))
+        raise ValueError(f"lengths: lengths[{i}] = {int(arr[i])} does not fit int64")
     arr = arr.astype(np.int64, copy=False)
     if arr.size and arr.min() < 0:
         i = int(np.argmin(arr))
@@ -297,7 +301,12 @@ def _pack(
         )
     if over.size and on_overflow is None:
         longest = int(raw[over].max())
-        warnings.warn(
+        # Once per packing, not once per process: warnings.warn would stay silent for every
+        # later sampler built at the same line (a loop over datasets or configs) under Python's
+        # default filter, though each can build rows over its budget. A fresh registry keeps the
+        # user's filters ("ignore", "error", "once") in force.
+        caller = sys._getframe(stacklevel - 1)
+        warnings.warn_explicit(
             f"{over.size} of {raw.size} examples are longer than max_tokens={max_tokens} (longest "
             f"{longest}); each is packed as a {max_tokens}-token batch of its own, so the collator "
             f"must cut it to match: PackingCollator(max_length={max_tokens}). A collator without "
@@ -305,7 +314,11 @@ def _pack(
             "on_overflow='truncate' to state that the collator truncates, or 'raise' to refuse "
             "such examples",
             UserWarning,
-            stacklevel=stacklevel,
+            caller.f_code.co_filename,
+            caller.f_lineno,
+            module=caller.f_globals.get("__name__"),
+            registry={},
+            module_globals=caller.f_globals,
         )
     eff = np.minimum(raw, max_tokens)
     kept = np.flatnonzero(eff > 0)

@@ -2,7 +2,8 @@
 
 ``PackingCollator(pad_to_buckets=..., max_documents=...)`` rounds the packed length up to a bucket
 of a ladder (``bucket_ladder``) and pads ``cu_seq_lens`` with zero-length documents to a fixed
-length. The padding is its own trailing segment (labels -100, positions from 0), so a bucketed
+length. The padding is its own trailing segment (labels -100, positions from 0 that wrap at the
+longest real document), so a bucketed
 batch gives the loss, the real-token logits and the gradients of the unbucketed one (CPU, fp32,
 numerics rule against the unbucketed fp32 / fp64 runs), on every CPU backend.
 """
@@ -17,7 +18,7 @@ import pickle
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
 import hf_varlen
 import hf_varlen.packing
@@ -119,7 +120,8 @@ def test_bucketed_batch_layout(labels):
     # The padding segment: its own document at the end.
     assert (b["input_ids"][0, real:] == 7).all()
     assert (b["labels"][0, real:] == IGNORE_INDEX).all()
-    assert b["position_ids"][0, real:].tolist() == list(range(total - real))
+    # positions restart and wrap at the longest real document (7): never past the real ones
+    assert b["position_ids"][0, real:].tolist() == [i % 7 for i in range(total - real)]
     assert (b["seq_idx"][0, real:] == 3).all()
     # max_documents real documents + the padding segment; unused slots repeat the last offset.
     cu = [0, 7, 10, 15, 24, 24, 24]
@@ -357,6 +359,57 @@ def test_bucketed_equals_unbucketed_loss_and_gradients(backend, lengths, buckets
         assert torch.equal(
             grads["model.embed_tokens.weight"][PAD_ID], torch.zeros(CFG["hidden_size"])
         )
+
+
+# Models whose result depends on the position range: a dynamic-NTK RoPE Llama rescales every
+# token's rotation once the largest position id passes max_position_embeddings (32 here), and
+# GPT-2's learned table has n_positions (128) rows. The buckets pad far past both.
+_POSITION_RANGE_MODELS = {
+    "llama-dynamic-ntk": (
+        lambda: LlamaConfig(
+            **{**CFG, "max_position_embeddings": 32},
+            rope_scaling={"rope_type": "dynamic", "factor": 2.0},
+        ),
+        (128,),
+    ),
+    "gpt2-learned-positions": (
+        lambda: GPT2Config(
+            **dict(vocab_size=97, n_embd=64, n_layer=2, n_head=4, n_positions=128, use_cache=False),
+            **dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=1),
+        ),
+        (256,),
+    ),
+}
+
+
+@pytest.mark.parametrize("backend", _cpu_backends())
+@pytest.mark.parametrize("arch", sorted(_POSITION_RANGE_MODELS))
+def test_padding_past_the_position_range_changes_nothing(backend, arch):
+    """Bucket padding longer than the model's position range neither crashes (GPT-2's table) nor
+    changes the real tokens (dynamic NTK follows the largest position id): loss, real logits and
+    gradients equal the unbucketed batch's under the numerics rule."""
+    make_config, buckets = _POSITION_RANGE_MODELS[arch]
+    lengths = [20, 25, 14]
+    feats = _features(lengths)
+    real = sum(lengths)
+
+    def model(dtype):
+        torch.manual_seed(0)
+        m = AutoModelForCausalLM.from_config(make_config(), attn_implementation="varlen_packed")
+        hf_varlen.set_backend(backend, model=m)
+        return m.to(dtype)
+
+    bucketed = PackingCollator(pad_to_buckets=buckets, max_documents=4, pad_token_id=PAD_ID)(feats)
+    assert bucketed["input_ids"].shape[1] == buckets[0]
+    assert int(bucketed["position_ids"].max()) == max(lengths) - 1
+    plain = PackingCollator()(feats)
+    ref_hi = _run(model(torch.float64), plain)
+    ref_lo = _run(model(torch.float32), plain)
+    loss, logits, grads = _run(model(torch.float32), bucketed)
+    assert_numerics(f"{arch} loss", loss, ref_hi[0], ref_lo[0])
+    assert_numerics(f"{arch} logits", logits[:, :real], ref_hi[1], ref_lo[1])
+    for name, g in grads.items():
+        assert_numerics(f"{arch} grad {name}", g, ref_hi[2][name], ref_lo[2][name], factor=3.0)
 
 
 @pytest.mark.parametrize("backend", _cpu_backends())

@@ -79,10 +79,19 @@ def test_unknown_command_exit_2(capsys):
     assert "train" in out
 
 
-def test_runtime_failure_exits_1(tmp_path, capsys):
+def test_runtime_failure_exits_1(tmp_path, capsys, monkeypatch):
+    from hf_varlen.training.metrics import RunLogger
+
     out = tmp_path / "run"
-    out.mkdir()
-    (out / "final").write_text("not a folder")
+    # A file in the way of final/ at the start is refused before training (exit 2); one that
+    # appears while the run trains fails the export at the end.
+    close = RunLogger.close
+
+    def close_then_block_final(self):
+        close(self)
+        (out / "final").write_text("not a folder")
+
+    monkeypatch.setattr(RunLogger, "close", close_then_block_final)
     code, _, err = run_cli(
         capsys, "train", "--output-dir", str(out), *TINY[:-1], "--max-steps", "1"
     )

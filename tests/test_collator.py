@@ -146,7 +146,8 @@ def test_pad_to_multiple_of(multiple, labels):
     assert out["cu_seq_lens_q"].tolist() == out["cu_seq_lens_k"].tolist() == want_cu
     assert out["input_ids"][0, real:].tolist() == [7] * pad
     assert out["labels"][0, real:].tolist() == [-100] * pad
-    assert out["position_ids"][0, real:].tolist() == list(range(pad))
+    # pad positions restart and wrap at the longest document (7): never past the real ones
+    assert out["position_ids"][0, real:].tolist() == [i % 7 for i in range(pad)]
     assert out["seq_idx"][0, real:].tolist() == [3] * pad
     assert out["max_length_q"] == out["max_length_k"] == max(7, pad)
     # The loss sees the same targets: shifted labels (what causal-LM losses count) are unchanged.

@@ -97,11 +97,12 @@ def test_divergent_cli_run_exits_nonzero(tmp_path, capsys):
 
 
 def test_failed_final_save_is_an_error(tmp_path):
-    out = tmp_path / "run"
-    out.mkdir()
-    (out / "final").write_text("a file where the model folder should go")
+    # A file in the way before the start is refused up front (tests/test_train_rules.py); one that
+    # appears during training fails the export.
+    trainer = PackedTrainer(tiny(tmp_path, max_steps=1, save_final=True))
+    (tmp_path / "run" / "final").write_text("a file where the model folder should go")
     with pytest.raises(CheckpointError, match="final"):
-        PackedTrainer(tiny(tmp_path, max_steps=1, save_final=True)).run()
+        trainer.run()
 
 
 def test_failed_checkpoint_save_leaves_no_checkpoint_and_latest_is_the_previous(

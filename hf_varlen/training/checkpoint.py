@@ -16,19 +16,23 @@ checkpoint name that is not complete. The final model goes the same way (``.tmp-
 Resume. ``--resume latest`` takes the newest *complete* checkpoint (incomplete ones are skipped
 with a warning naming them); an explicit folder is validated up front and the missing or damaged
 file is named. Missing random states are an error unless ``--resume-without-rng``. Options that
-shape the data order must match (``RunState.fingerprint``); a mismatch is an error rather than a
-silently different run.
+shape the data order, the model config (``model_fingerprint``) and the tokenized training data
+(``data_fingerprint``) must match (``RunState.fingerprint``, checked before any weight is loaded); a
+mismatch is an error naming the difference rather than a silently different run. A checkpoint
+older than the model and data fingerprints resumes with one warning.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
 import re
 import shutil
 import struct
+import tempfile
 import zipfile
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -55,6 +59,10 @@ class CheckpointError(RuntimeError):
     """A checkpoint or the final model could not be written, or cannot be resumed from."""
 
 
+class ResumeMismatchError(CheckpointError, ValueError):
+    """The checkpoint is of another model, config, data or data order than this run's options."""
+
+
 @dataclass
 class RunState:
     """Where the run is; saved with every checkpoint (``state_dict`` / ``load_state_dict``)."""
@@ -71,17 +79,103 @@ class RunState:
         return asdict(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        saved = state.get("fingerprint", {})
-        diff = {k: (saved.get(k), v) for k, v in self.fingerprint.items() if saved.get(k) != v}
-        if saved and diff:
-            raise ValueError(
-                "--resume: the checkpoint was written with different data-order options "
-                + ", ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in diff.items())
-                + "; resume with the same options (or start a new run)"
-            )
+        problem = fingerprint_mismatch(state.get("fingerprint", {}), self.fingerprint)
+        if problem:
+            raise ResumeMismatchError(f"--resume: {problem}")
         for key, value in state.items():
             if key != "fingerprint":
                 setattr(self, key, value)
+
+
+# --------------------------------------------------------------------------------------------- #
+# Fingerprints: what a checkpoint must share with the run that resumes it
+
+# Model config keys that may differ between the run that saved and the one that resumes: how the
+# model runs (attention implementation, dtype, cache), not what it computes.
+_RUNTIME_CONFIG_KEYS = frozenset(
+    {
+        "_name_or_path", "name_or_path", "transformers_version", "_commit_hash", "dtype",
+        "torch_dtype", "attn_implementation", "_attn_implementation",
+        "_attn_implementation_autoset", "use_cache", "return_dict", "output_attentions",
+        "output_hidden_states", "architectures",
+    }
+)  # fmt: skip
+MODEL_KEY, DATA_KEY = "model_config", "data"
+
+
+def model_fingerprint(config) -> dict[str, Any]:
+    """A ``PretrainedConfig`` as the JSON-plain dict a checkpoint stores (runtime keys left out)."""
+    values = {k: v for k, v in config.to_dict().items() if k not in _RUNTIME_CONFIG_KEYS}
+    return json.loads(json.dumps(values, sort_keys=True, default=str))
+
+
+def data_fingerprint(input_ids, labels) -> str:
+    """A digest of the tokenized training examples (ids and labels, in order): the dataset, its
+    format, the tokenizer and --max-length all show in it."""
+    digest = hashlib.sha256()
+    for ids, lab in zip(input_ids, labels, strict=True):
+        digest.update(len(ids).to_bytes(8, "little"))
+        digest.update(ids.tobytes())
+        digest.update(lab.tobytes())
+    return digest.hexdigest()[:16]
+
+
+def fingerprint_mismatch(saved: dict[str, Any], now: dict[str, Any]) -> str | None:
+    """What differs between a checkpoint's fingerprint ``saved`` and this run's ``now`` (keys the
+    checkpoint lacks are not compared: older checkpoints, see ``missing_fingerprints``)."""
+    if not saved:
+        return None
+    parts = []
+    if MODEL_KEY in saved and MODEL_KEY in now:
+        a, b = saved[MODEL_KEY], now[MODEL_KEY]
+        keys = sorted(k for k in set(a) | set(b) if a.get(k, "<unset>") != b.get(k, "<unset>"))
+        if keys:
+            shown = ", ".join(
+                f"{k}: checkpoint {a.get(k, '<unset>')!r} vs now {b.get(k, '<unset>')!r}"
+                for k in keys[:6]
+            )
+            more = f" and {len(keys) - 6} more" if len(keys) > 6 else ""
+            parts.append(
+                f"the checkpoint is of another model config ({shown}{more}); resume with the "
+                "--model and --config-overrides it was saved with"
+            )
+    if DATA_KEY in saved and DATA_KEY in now and saved[DATA_KEY] != now[DATA_KEY]:
+        parts.append(
+            f"the checkpoint was trained on other data (tokenized examples digest "
+            f"{saved[DATA_KEY]} vs now {now[DATA_KEY]}: --dataset, its contents, --format, the "
+            "tokenizer, --max-length or --max-examples differ); resume with the same data"
+        )
+    order = {
+        k: (saved[k], v)
+        for k, v in now.items()
+        if k not in (MODEL_KEY, DATA_KEY) and k in saved and saved[k] != v
+    }
+    if order:
+        parts.append(
+            "the checkpoint was written with different data-order options "
+            + ", ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in order.items())
+            + "; resume with the same options"
+        )
+    return "; ".join(parts) + " (or start a new run)" if parts else None
+
+
+def check_fingerprint(path: str, now: dict[str, Any]) -> None:
+    """Before any weight is loaded: refuse a checkpoint of another model, config, data or data
+    order (``CheckpointError`` naming the difference); warn once for a checkpoint that predates
+    the model and data fingerprints."""
+    with open(os.path.join(path, STATE_FILE), encoding="utf-8") as fh:
+        saved = json.load(fh).get("fingerprint", {})
+    problem = fingerprint_mismatch(saved, now)
+    if problem:
+        raise ResumeMismatchError(f"--resume {path!r}: {problem}")
+    missing = [k for k in (MODEL_KEY, DATA_KEY) if k not in saved]
+    if missing:
+        logger.warning(
+            "--resume %s: the checkpoint predates the %s fingerprint, so nothing checks that it "
+            "is of this model and data; resuming anyway",
+            path,
+            " and ".join(missing),
+        )
 
 
 # --------------------------------------------------------------------------------------------- #
@@ -113,7 +207,11 @@ def _damaged(path: str) -> str | None:
                 if len(head) < 8:
                     return "shorter than a safetensors header"
                 (n,) = struct.unpack("<Q", head)
+                if n > os.path.getsize(path) - 8:  # garbage: do not try to read n bytes
+                    return f"its header length ({n} bytes) runs past the end of the file"
                 header = json.loads(fh.read(n))
+                if not isinstance(header, dict):
+                    return "its header is not a JSON object"
             tensors = [v for k, v in header.items() if k != "__metadata__"]
             end = max((v["data_offsets"][1] for v in tensors), default=0)
             if os.path.getsize(path) < 8 + n + end:
@@ -125,7 +223,10 @@ def _damaged(path: str) -> str | None:
         elif name.endswith(".json"):
             with open(path, encoding="utf-8") as fh:
                 json.load(fh)
-    except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile, struct.error) as exc:
+    except (
+        OSError, ValueError, KeyError, TypeError, OverflowError, AttributeError, IndexError,
+        zipfile.BadZipFile, struct.error,
+    ) as exc:  # fmt: skip
         return f"unreadable ({type(exc).__name__}: {exc})"
     return None
 
@@ -459,6 +560,49 @@ def export_model(accelerator, model, tokenizer, path: str) -> None:
         _publish(tmp, path)
 
     _on_main(accelerator, f"saving the final model to {path}", write)
+
+
+def check_output_paths(out: str, *, files: tuple[str, ...], folders: tuple[str, ...]) -> None:
+    """Refuse, before anything is loaded, an ``--output-dir`` the run could not write to: one that
+    is (or lies below) a regular file, one on a read-only file system or without write permission,
+    and ``files`` / ``folders`` (names under ``out`` the run will write) that exist as the other
+    kind. Creates ``out``. Raises ``ValueError`` naming the path and the fix; so a final export
+    into a file that is in the way fails now, not after the last training step."""
+    here = os.path.abspath(out)
+    while here and not os.path.exists(here):  # the first existing folder above (or ``out``)
+        parent = os.path.dirname(here)
+        if parent == here:
+            break
+        here = parent
+    if os.path.exists(here) and not os.path.isdir(here):
+        where = "is" if here == os.path.abspath(out) else f"lies below {here!r}, which is"
+        raise ValueError(
+            f"--output-dir {out!r} {where} a file, not a folder; choose another --output-dir "
+            "(or move the file away)"
+        )
+    try:
+        os.makedirs(out, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=TMP_PREFIX + "probe-", dir=out)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as exc:
+        raise ValueError(
+            f"--output-dir {out!r} cannot be written to ({exc.strerror or exc}); choose a folder "
+            "on a writable file system where you have write permission"
+        ) from None
+    for name in files:
+        if os.path.isdir(os.path.join(out, name)):
+            raise ValueError(
+                f"--output-dir {out!r}: {name} is a folder, but the run writes a file of that "
+                "name; move it away or choose another --output-dir"
+            )
+    for name in folders:
+        path = os.path.join(out, name)
+        if os.path.lexists(path) and not os.path.isdir(path):
+            raise ValueError(
+                f"--output-dir {out!r}: {name} is a file, but the run writes a folder of that "
+                "name there; move it away or choose another --output-dir"
+            )
 
 
 def prepare_output_dir(out: str, overwrite: bool, resumed_from: str | None, acc) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -353,13 +354,31 @@ class TrainConfig:
                 f"longest example fits one micro-batch, got {self.token_budget}; raise "
                 "--tokens-per-batch or lower --max-length"
             )
-        for name in ("max_grad_norm", "weight_decay"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"--{_flag(name)}: expected >= 0, got {getattr(self, name)}")
-        if not self.epochs > 0:
+        # `not x >= 0` is also true for NaN; inf is refused where it has no meaning.
+        if not self.max_grad_norm >= 0:
+            raise ValueError(
+                f"--max-grad-norm: expected >= 0 (0: no clipping), got {self.max_grad_norm}"
+            )
+        if not 0 <= self.weight_decay < math.inf:
+            raise ValueError(
+                f"--weight-decay: expected a finite value >= 0, got {self.weight_decay}"
+            )
+        if not self.epochs > 0 and math.isfinite(self.epochs):
             raise ValueError(f"--epochs: expected > 0, got {self.epochs}")
-        if self.lr is not None and not self.lr >= 0:
-            raise ValueError(f"--lr: expected >= 0, got {self.lr}")
+        if not math.isfinite(self.epochs):
+            raise ValueError(
+                f"--epochs: expected a finite number > 0, got {self.epochs}; for a run of a fixed "
+                "length pass --max-steps"
+            )
+        if self.lr is not None and not 0 <= self.lr < math.inf:
+            raise ValueError(f"--lr: expected a finite value >= 0, got {self.lr}")
+        if self.peak_tflops is not None and not 0 < self.peak_tflops < math.inf:
+            raise ValueError(
+                f"--peak-tflops: expected the accelerator's peak TFLOP/s, a finite number > 0, got "
+                f"{self.peak_tflops}; leave it out to use the known GPUs' table"
+            )
+        if self.run_name is not None:
+            _check_run_name(self.run_name)
         if not 0.0 <= self.eval_split < 1.0:
             raise ValueError(f"--eval-split: expected a fraction in [0, 1), got {self.eval_split}")
         if not 0.0 <= self.lora_dropout < 1.0:
@@ -453,6 +472,22 @@ def _check_names(model: str, dataset: str) -> None:
             )
 
 
+def _check_run_name(name: str) -> None:
+    """--run-name names a folder under OUTPUT_DIR/tensorboard (and a tracker project): one plain
+    name, so nothing is written outside --output-dir."""
+    if (
+        not name.strip()
+        or name in (".", "..")
+        or any(sep in name for sep in ("/", "\\", os.sep))
+        or os.path.isabs(name)
+        or "\0" in name
+    ):
+        raise ValueError(
+            f"--run-name: expected one folder name (no '/', '\\', '..' or absolute path: the "
+            f"tracker writes under OUTPUT_DIR/{TENSORBOARD_DIR}/RUN_NAME), got {name!r}"
+        )
+
+
 def _check_value(source: str, key: str, value: Any, hint: str) -> Any:
     """``value`` for the field ``key`` (annotation ``hint``), or a ValueError naming both."""
     if value is None and "None" in hint:
@@ -525,7 +560,19 @@ def parse_train_args(parser: argparse.ArgumentParser, argv: list[str] | None) ->
     pre.add_argument("--config", default=None)
     known, _ = pre.parse_known_args(argv)
     if known.config:
-        parser.set_defaults(**load_config_file(known.config))
+        values = load_config_file(known.config)
+        # Deleting a run is for this command line to ask, never a file: every run records its
+        # options in OUTPUT_DIR/config.yaml, and re-running that file (as --config is meant to)
+        # must not wipe the run it describes.
+        if values.pop("overwrite_output_dir", False):
+            import logging
+
+            logging.getLogger("hf_varlen.training").warning(
+                "--config %s: ignoring overwrite_output_dir: true (only --overwrite-output-dir "
+                "on the command line deletes a run)",
+                known.config,
+            )
+        parser.set_defaults(**values)
     return parser.parse_args(argv)
 
 

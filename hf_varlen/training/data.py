@@ -30,6 +30,8 @@ Shape legend: B examples in a micro-batch, L_max the longest of them, T = sum of
 
 from __future__ import annotations
 
+import codecs
+import collections
 import json
 import logging
 import os
@@ -119,14 +121,23 @@ def _load_local(path: str, skip_bad: bool = False) -> Records:
 
         rows = pq.read_table(path).to_pylist()
         return Records(rows, [f"{name} row {i}" for i in range(len(rows))])
-    with open(path, encoding="utf-8") as fh:
-        text = fh.read()
-    lines = text.splitlines()
+    with open(path, "rb") as fh:
+        raw = fh.read()
+    raw = raw.removeprefix(codecs.BOM_UTF8)  # editors on Windows start UTF-8 files with one
+    # JSON lines are split on b"\n" (and \r\n) only: a str split would also break a record at
+    # U+2028 or U+0085 inside one of its strings.
+    lines = raw.splitlines()
     if not path.endswith(".jsonl"):
         try:
-            data = json.loads(text)
+            data = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            first = next((ln for ln in lines if ln.strip()), b"")
+            if not _is_json_object(first.decode("utf-8", "replace")):
+                raise ValueError(_not_utf8(path, raw, exc.start)) from None
+            data = None  # JSON lines with a .json name: per line below
         except json.JSONDecodeError as exc:
-            if not _is_json_object(next((ln for ln in lines if ln.strip()), "")):
+            first = next((ln for ln in lines if ln.strip()), b"")
+            if not _is_json_object(first.decode("utf-8", "replace")):
                 raise ValueError(
                     f"--dataset {path!r}: not valid JSON: {exc.msg} at line {exc.lineno} column "
                     f"{exc.colno}; expected a JSON list of records or JSON lines"
@@ -142,20 +153,35 @@ def _load_local(path: str, skip_bad: bool = False) -> Records:
         if not line.strip():
             continue
         try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError as exc:
+            records.append(json.loads(line.decode("utf-8")))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             if skip_bad:
                 skipped += 1
                 continue
+            if isinstance(exc, UnicodeDecodeError):
+                why = (
+                    f"is not UTF-8 (byte 0x{line[exc.start]:02x} at column {exc.start + 1}); "
+                    "re-save the file as UTF-8"
+                )
+            else:
+                why = f"is not valid JSON ({exc.msg} at column {exc.colno}); fix"
             raise ValueError(
-                f"--dataset {path!r}: line {number} is not valid JSON ({exc.msg} at column "
-                f"{exc.colno}); fix or remove that line, or pass --skip-bad-records to skip such "
-                "records (counted in the summary)"
+                f"--dataset {path!r}: line {number} {why} or remove that line, or pass "
+                "--skip-bad-records to skip such records (counted in the summary)"
             ) from None
         origins.append(f"{name} line {number}")
     if skipped:
-        logger.warning("%s: skipped %d lines that are not valid JSON", path, skipped)
+        logger.warning("%s: skipped %d lines that are not valid UTF-8 JSON", path, skipped)
     return Records(records, origins, skipped)
+
+
+def _not_utf8(path: str, raw: bytes, start: int) -> str:
+    line = raw.count(b"\n", 0, start) + 1
+    column = start - (raw.rfind(b"\n", 0, start) + 1) + 1
+    return (
+        f"--dataset {path!r}: line {line} is not UTF-8 (byte 0x{raw[start]:02x} at column "
+        f"{column}); re-save the file as UTF-8"
+    )
 
 
 def _is_json_object(line: str) -> bool:
@@ -225,11 +251,38 @@ def _bad_field(rec: dict[str, Any], fmt: str, cfg: TrainConfig) -> str | None:
                         f"field '{cfg.messages_field}'[{j}]['{key}'] is {kind(m.get(key))}, "
                         "expected a string"
                     )
+                if why := _not_unicode(m[key]):
+                    return f"field '{cfg.messages_field}'[{j}]['{key}'] {why}"
         return None
     for key in need:
         if not isinstance(rec[key], str):
             return f"field '{key}' is {kind(rec[key])}, expected a string"
+        if why := _not_unicode(rec[key]):
+            return f"field '{key}' {why}"
     return None
+
+
+def _not_unicode(text: str) -> str | None:
+    """Why ``text`` is not valid Unicode (a lone surrogate: JSON's "\\ud800" escape), or None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return (
+            f"holds a lone surrogate (U+{ord(text[exc.start]):04X} at character {exc.start}), "
+            "not valid Unicode; fix the text (a surrogate pair needs both halves)"
+        )
+    return None
+
+
+def _record_format(rec: Any, cfg: TrainConfig) -> str | None:
+    """The format one record's fields suggest (chat, then alpaca, then text), or None."""
+    if not isinstance(rec, dict):
+        return None
+    if cfg.messages_field in rec:
+        return "chat"
+    if _alpaca_fields(rec) is not None:
+        return "alpaca"
+    return "text" if cfg.text_field in rec else None
 
 
 def detect_format(records: Sequence[dict[str, Any]], cfg: TrainConfig, source: str) -> str:
@@ -244,12 +297,30 @@ def detect_format(records: Sequence[dict[str, Any]], cfg: TrainConfig, source: s
     keys = set(first) if first is not None else set()
     fmt = cfg.format
     if fmt == "auto":
-        if cfg.messages_field in keys:
-            fmt = "chat"
-        elif any(set(pair) <= keys for pair in _ALPACA_FIELDS):
-            fmt = "alpaca"
-        elif cfg.text_field in keys:
-            fmt = "text"
+        # From every record, not the first: one stray record must not decide the format (and
+        # with --skip-bad-records leave one usable example of sixty).
+        kinds = [_record_format(r, cfg) for r in records]
+        counts = collections.Counter(k for k in kinds if k is not None)
+        if counts:
+            fmt, n = counts.most_common(1)[0]
+            if len(counts) > 1:
+                odd = next(i for i, k in enumerate(kinds) if k not in (None, fmt))
+                mixed = ", ".join(f"{c} {k}" for k, c in counts.most_common())
+                if not cfg.skip_bad_records or 2 * n <= sum(counts.values()):
+                    raise ValueError(
+                        f"--dataset {source!r}: records of several formats ({mixed}); "
+                        f"{where(odd)} is {kinds[odd]}, unlike the {n} {fmt} records. Fix the "
+                        f"records, or pass --format {fmt} with --skip-bad-records to skip the "
+                        "others"
+                    )
+                logger.warning(
+                    "--format auto: records of several formats (%s) in %s; using %s, the "
+                    "majority (--skip-bad-records skips the others; first: %s)",
+                    mixed,
+                    source,
+                    fmt,
+                    where(odd),
+                )
         else:
             raise ValueError(
                 f"--dataset {source!r}: cannot tell the format from the fields {sorted(keys)}; "

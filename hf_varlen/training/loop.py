@@ -38,13 +38,14 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError
 
 from ..coverage import check_pending_offsets
 from ..packing import ExampleCountBatchSampler, TokenBudgetBatchSampler, rank_imbalance
 from . import checkpoint as ckpt
 from .auto_mode import capture_bytes
 from .compiling import ModelCompiler, check_compile
-from .config import TENSORBOARD_DIR, TrainConfig
+from .config import PROFILE_DIR, TENSORBOARD_DIR, TrainConfig
 from .data import (
     Batcher,
     Examples,
@@ -56,7 +57,15 @@ from .data import (
 )
 from .graphs import GraphedStep, model_blockers, resolve_graphs
 from .launch import cpu_requested, distribution
-from .metrics import RunLogger, environment, format_summary, peak_flops, plot_runs, summarize
+from .metrics import (
+    RunLogger,
+    environment,
+    finite_or_none,
+    format_summary,
+    peak_flops,
+    plot_runs,
+    summarize,
+)
 from .model import (
     apply_kernels,
     apply_lora,
@@ -76,6 +85,7 @@ from .run_summary import data_text, padded_alternative, ranks_summary, static_sh
 
 logger = logging.getLogger("hf_varlen.training")
 CONFIG_FILE = "config.yaml"  # in --output-dir
+METRICS_FILE = "metrics.jsonl"
 # What goes to --report-to each logged step (names as in metrics.jsonl).
 TRACKED = ("loss", "tokens_per_s", "packing_efficiency", "peak_mem_gib", "lr", "grad_norm")
 
@@ -221,6 +231,15 @@ class PackedTrainer:
             processes=self.acc.num_processes,
             without_rng=cfg.resume_without_rng,
         )
+        ckpt.check_output_paths(
+            cfg.output_dir,
+            files=(CONFIG_FILE, METRICS_FILE, "summary.json"),
+            folders=(
+                *(["final"] if cfg.save_final else []),
+                *([TENSORBOARD_DIR] if cfg.report_to == "tensorboard" else []),
+                *([PROFILE_DIR] if cfg.profile_step else []),
+            ),
+        )
         ckpt.prepare_output_dir(
             cfg.output_dir, cfg.overwrite_output_dir, self.resumed_from, self.acc
         )
@@ -353,6 +372,14 @@ class PackedTrainer:
                 "processes": self.acc.num_processes,
                 "train_examples": len(self.train_ex),
                 "shuffle": cfg.shuffle,
+                ckpt.MODEL_KEY: {
+                    **ckpt.model_fingerprint(self.acc.unwrap_model(self.model).config),
+                    # LoRA adapters are part of what a checkpoint's weights are
+                    "lora (--lora-r, --lora-alpha, --lora-target)": (
+                        [cfg.lora_r, cfg.lora_alpha, cfg.lora_target] if cfg.lora else None
+                    ),
+                },
+                ckpt.DATA_KEY: ckpt.data_fingerprint(self.train_ex.input_ids, self.train_ex.labels),
             }
         )
         self.acc.register_for_checkpointing(self.scheduler, self.state)
@@ -360,11 +387,18 @@ class PackedTrainer:
         self.compiler = ModelCompiler(cfg)
         self.compiler.compile(self.acc.unwrap_model(self.model))
         if self.resumed_from:
+            ckpt.check_fingerprint(self.resumed_from, self.state.fingerprint)
             try:
                 self.acc.load_state(self.resumed_from)
-            except (OSError, RuntimeError, KeyError, EOFError) as exc:
+            except ckpt.ResumeMismatchError:
+                raise
+            except (
+                OSError, RuntimeError, KeyError, EOFError, ValueError, OverflowError,
+                SafetensorError,
+            ) as exc:  # fmt: skip
                 raise ckpt.CheckpointError(
-                    f"--resume {self.resumed_from!r}: loading failed: {exc}"
+                    f"--resume {self.resumed_from!r}: loading failed ({type(exc).__name__}: "
+                    f"{exc}); the checkpoint is damaged: resume from another one"
                 ) from exc
             self._log(f"resumed from {self.resumed_from} at step {self.state.step}")
             self.profiler.check_resume(self.state.step)
@@ -606,7 +640,13 @@ class PackedTrainer:
             name = cfg.run_name or os.path.basename(os.path.abspath(cfg.output_dir))
             # Trackers take flat str/int/float/bool hyperparameters (tensorboard: no None).
             hparams = {k: "none" if v is None else v for k, v in cfg.to_dict().items()}
-            self.acc.init_trackers(name, config=hparams)
+            init_kwargs = {}
+            if cfg.report_to == "tensorboard" and st.step:
+                # Resumed: events after the checkpoint's step belong to the run's dead branch (it
+                # went on past the checkpoint). metrics.jsonl is truncated for them; for the event
+                # files, SummaryWriter's purge_step makes TensorBoard drop them.
+                init_kwargs = {"tensorboard": {"purge_step": st.step + 1}}
+            self.acc.init_trackers(name, config=hparams, init_kwargs=init_kwargs)
         self.model.train()
         evals: list[dict[str, Any]] = []
         t_origin = time.perf_counter() - st.elapsed
@@ -757,7 +797,7 @@ class PackedTrainer:
             import json
 
             with open(os.path.join(cfg.output_dir, "summary.json"), "w", encoding="utf-8") as fh:
-                json.dump(summary, fh, indent=2)
+                json.dump(finite_or_none(summary), fh, indent=2, allow_nan=False)
             if cfg.plot:
                 plot_runs([cfg.output_dir], cfg.output_dir)
             print(format_summary(summary), flush=True)

@@ -17,7 +17,7 @@ term is causal attention, forward + backward (3x the forward's 2 * L^2 * H_q * D
 peak is ``--peak-tflops`` or the dense bf16 peak of a known GPU; elsewhere MFU is not reported.
 
 Files (main process only), in ``--output-dir``: ``metrics.jsonl`` (one JSON object per logged step
-and per evaluation), ``summary.json``, and with ``--plot`` ``loss_vs_step.png``,
+and per evaluation; strict JSON: a non-finite value, e.g. a skipped step's loss, is ``null``), ``summary.json``, and with ``--plot`` ``loss_vs_step.png``,
 ``loss_vs_time.png``, ``tokens_per_s.png``. ``plot_runs`` overlays several runs (packed vs padded).
 """
 
@@ -116,6 +116,26 @@ def _fmt_tokens(x: float) -> str:
     return f"{x / 1e3:.1f}K" if x < 1e6 else f"{x / 1e6:.2f}M"
 
 
+class MetricsWriteError(RuntimeError):
+    """metrics.jsonl could not be written (a full disk, a file system gone read-only)."""
+
+
+def finite_or_none(value: Any) -> Any:
+    """``value`` with NaN/inf floats as None, so that it is JSON (a bare NaN is not)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_none(v) for v in value]
+    return value
+
+
+def json_line(record: dict[str, Any]) -> str:
+    """One metrics.jsonl line: strict JSON, a non-finite number (a skipped step's loss) as null."""
+    return json.dumps(finite_or_none(record), allow_nan=False) + "\n"
+
+
 class RunLogger:
     """Collects step records; on the main process writes JSONL and drives the progress bar."""
 
@@ -177,8 +197,15 @@ class RunLogger:
 
     def write(self, record: dict[str, Any]) -> None:
         if self.main:
-            with open(self.path, "a", encoding="utf-8") as fh:
-                fh.write(json.dumps(record) + "\n")
+            try:
+                with open(self.path, "a", encoding="utf-8") as fh:
+                    fh.write(json_line(record))
+            except OSError as exc:
+                raise MetricsWriteError(
+                    f"appending step {record.get('step')} to {self.path} failed: "
+                    f"{exc.strerror or exc}; free space there (or choose another --output-dir) "
+                    "and resume from the last checkpoint"
+                ) from exc
 
     def message(self, text: str) -> None:
         if not self.main:
@@ -202,7 +229,7 @@ def _truncate_log(path: str, keep_upto_step: int) -> None:
         return
     kept = [r for r in _parse_log(path) if r.get("step", 0) <= keep_upto_step]
     with open(path, "w", encoding="utf-8") as fh:
-        fh.writelines(json.dumps(r) + "\n" for r in kept)
+        fh.writelines(json_line(r) for r in kept)
 
 
 def _parse_log(path: str) -> list[dict[str, Any]]:
