@@ -634,6 +634,8 @@ def _default_text(default: Any) -> str:
     """How --help shows a default: booleans as on/off (the flag / its --no- form)."""
     if isinstance(default, bool):
         return "on" if default else "off"
+    if default is None:  # a boolean left unset: decided by the run (e.g. with the captured step)
+        return "auto"
     return str(default).replace("%", "%%")
 
 
