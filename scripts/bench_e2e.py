@@ -281,7 +281,8 @@ def train_config(run: dict, device: str):
         warmup_steps=0,
         lr_schedule="constant",
         max_grad_norm=1.0,
-        precision=run["precision"],
+        # a 4-bit base computes in bf16 whatever the row's precision (hf-varlen train refuses else)
+        precision="bf16" if spec.get("load_in_4bit") else run["precision"],
         seed=run["seed"],
         output_dir=run["run_dir"],
         overwrite_output_dir=True,  # a benchmark re-run replaces its earlier runs

@@ -311,7 +311,7 @@ def _quiet():
 
 def _one_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"[:200]
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:200].rstrip()
 
 
 @functools.cache

@@ -87,7 +87,12 @@ def test_bf16_mixed_with_checkpointing_captured_equals_eager(tmp_path, capture_o
     assert model_blockers(trainer.model) == []  # checkpointing without the RNG stash
     for key in ("loss", "grad_norm"):  # step by step
         for step in range(len(hi[key])):
-            assert_numerics(f"step {step + 1} {key}", x[key][step], hi[key][step], lo[key][step])
+            # after the first update a step's values carry the gradients' error: factor 3, as
+            # for gradients (TESTING.md)
+            factor = 2 if step == 0 and key == "loss" else 3
+            assert_numerics(
+                f"step {step + 1} {key}", x[key][step], hi[key][step], lo[key][step], factor=factor
+            )
     assert (lo["loss"] != hi["loss"]).any()  # the bf16 error the rule measures against exists
     for name in p_hi:
         assert_numerics(name, p_x[name], p_hi[name], p_lo[name], factor=3)

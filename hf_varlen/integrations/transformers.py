@@ -387,7 +387,9 @@ def varlen_packed_forward(
         # filled slots, as transformers' FlashAttention path does.
         key, value = key[:, :, : attention_mask.shape[-1]], value[:, :, : attention_mask.shape[-1]]
     meta = _metadata(query, key, attention_mask, kwargs)
-    if bsz == 1 and meta.cu_seqlens_q.shape[0] > 2 and not torch.compiler.is_compiling():
+    # is_compiling first: Dynamo would otherwise guard on the number of documents (a recompile
+    # per pack size)
+    if not torch.compiler.is_compiling() and bsz == 1 and meta.cu_seqlens_q.shape[0] > 2:
         _check_packed_row(module, kwargs)
     # (B, H, T, D) -> (B*T, H, D): a view for B == 1 (packed batches), a copy otherwise.
     q = query.transpose(1, 2).reshape(bsz * q_len, h_q, head_dim)

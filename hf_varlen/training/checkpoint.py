@@ -582,7 +582,8 @@ def check_output_paths(out: str, *, files: tuple[str, ...], folders: tuple[str, 
         )
     try:
         os.makedirs(out, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=TMP_PREFIX + "probe-", dir=out)
+        # not TMP_PREFIX: another rank's probe must not read as an unfinished save of a run
+        fd, probe = tempfile.mkstemp(prefix=".hf-varlen-write-probe-", dir=out)
         os.close(fd)
         os.remove(probe)
     except OSError as exc:
