@@ -5,6 +5,7 @@ the script on the GPU machine (docs/BENCHMARKS.md); this only checks that it mea
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -118,6 +119,16 @@ def test_every_mode_maps_to_a_valid_train_config():
             continue  # a peer is no hf-varlen train run (tests/test_bench_peers.py)
         if bench_e2e.MODES[mode].get("load_in_4bit") and not four_bit:
             assert bench_e2e.mode_unavailable(mode, "cuda").startswith("hf-varlen train has no")
+            continue
+        if bench_e2e.MODES[mode].get("load_in_4bit") and not importlib.util.find_spec(
+            "bitsandbytes"
+        ):  # validation refuses a 4-bit run without it; the bench skips the mode, naming why
+            assert (
+                bench_e2e.mode_unavailable(mode, "cuda")
+                == "bitsandbytes not installed (QLoRA modes)"
+            )
+            with pytest.raises(ImportError, match="bitsandbytes"):
+                bench_e2e.train_config({**run, "mode": mode}, "cuda").validate()
             continue
         for device in ("cpu", "cuda"):
             bench_e2e.train_config({**run, "mode": mode}, device).validate()
