@@ -56,7 +56,7 @@
 #                                  HF_VARLEN_STEPS (20), HF_VARLEN_WARMUP (5); the saved models stay
 #                                  in /tmp/hf_varlen_e2e
 #   bash scripts/gpu_evidence.sh bundle    OUT_DIR   # everything under OUT_DIR into one
-#                                  OUT_DIR/bundle.tgz, the rest removed: the device tool returns
+#                                  OUT_DIR/bundle.tgz, the rest removed: the GPU machine returns
 #                                  only a few files per call (a call's results.json were lost so)
 #
 # `tests` takes optional test files after OUT_DIR (default: every file that holds a GPU test), and
@@ -132,7 +132,7 @@ step() {  # step NAME SECONDS CMD...: run with a timeout, log to OUT_DIR/NAME.lo
 }
 
 pack_runs() {  # pack_runs STEP: bench_e2e's per-run folders into one archive per folder and step
-    local d  # (the device tool returns only so many files; results.json and the tables hold what
+    local d  # (the GPU machine returns only so many files; results.json and the tables hold what
     for d in "$out"/*/; do  # the report needs, the archive the per-step metrics)
         if compgen -G "$d"run[0-9]* >/dev/null; then
             (cd "$d" && tar czf "runs_$1.tgz" run[0-9]* && rm -rf run[0-9]*)
@@ -217,7 +217,7 @@ attention_bwd)  # the triton backward, split (default) vs fused (atomic dQ): eve
         --breakdown --json "$out/attn_bwd_breakdown.json"
     ;;
 tma)  # descriptors on vs off (and with the fused backward), interleaved per case
-    for dim in 128 64; do  # file names without commas (the device tool drops odd names)
+    for dim in 128 64; do  # file names without commas (odd names do not come back from the GPU machine)
         heads=$([ "$dim" = 128 ] && echo 32/8/128,40/8/128 || echo 16/16/64)
         step "bench_tma_$dim" 280 python3 scripts/bench_attention.py \
             --providers triton,triton_tma,triton_fused_tma,torch --no-check --heads "$heads" \
