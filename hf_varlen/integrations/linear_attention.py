@@ -127,7 +127,7 @@ def _document_bounds(cu: torch.Tensor) -> list[tuple[int, int]]:
     batch, shared by every layer: the same tensor object reaches all of them)."""
 
     def build():
-        edges = cu.tolist()
+        edges = cu.tolist()  # intended host read: once per batch, outside any captured region
         return [(s, e) for s, e in zip(edges[:-1], edges[1:]) if e > s]
 
     return _BOUNDS.get_or_compute(cu, build)
