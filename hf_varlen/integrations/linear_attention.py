@@ -127,7 +127,8 @@ def _document_bounds(cu: torch.Tensor) -> list[tuple[int, int]]:
     batch, shared by every layer: the same tensor object reaches all of them)."""
 
     def build():
-        edges = cu.tolist()  # intended host read: once per batch, outside any captured region
+        # intended: one host read per batch; this per-document loop is eager-only
+        edges = cu.tolist()
         return [(s, e) for s, e in zip(edges[:-1], edges[1:]) if e > s]
 
     return _BOUNDS.get_or_compute(cu, build)
