@@ -78,6 +78,15 @@ class _Record(TrainerCallback):
         self.params.append({n: p.detach().clone() for n, p in model.named_parameters()})
 
 
+# transformers 5.25 renamed gradient_checkpointing (now its deprecated alias); older releases
+# have only the old name
+_CHECKPOINTING = (
+    "activation_checkpointing"
+    if "activation_checkpointing" in TrainingArguments.__dataclass_fields__
+    else "gradient_checkpointing"
+)
+
+
 def _args(tmp_path, name, **kw):
     base = dict(
         output_dir=str(tmp_path / name), per_device_train_batch_size=4,
@@ -205,7 +214,7 @@ def test_forward_that_syncs_with_the_host(tmp_path, monkeypatch, caplog):
 def test_checkpointing_with_dropout_is_refused(tmp_path, simulated):
     trainer = VarlenTrainer(
         model=_model(dropout=0.1),
-        args=_args(tmp_path, "x", activation_checkpointing=True),
+        args=_args(tmp_path, "x", **{_CHECKPOINTING: True}),
         train_dataset=_data(),
         data_collator=hf_varlen.PackingCollator(),
         cuda_graphs="on",
@@ -294,7 +303,7 @@ def test_gpu_varlen_trainer_captured_trains_like_eager(tmp_path):
 
     def run(name, cuda_graphs, bf16):
         rec = _Record()
-        args = _args(tmp_path, name, use_cpu=False, bf16=bf16, activation_checkpointing=True)
+        args = _args(tmp_path, name, use_cpu=False, bf16=bf16, **{_CHECKPOINTING: True})
         trainer = VarlenTrainer(
             model=_model().cuda(),
             args=args,
@@ -318,3 +327,22 @@ def test_gpu_varlen_trainer_captured_trains_like_eager(tmp_path):
         for key in ("loss", "grad_norm"):
             t = [torch.tensor(float(r[key]), dtype=torch.float64) for r in (x_, h, lo_)]
             assert_numerics(f"step {step} {key}", *t, dtype=torch.bfloat16)
+
+
+def test_checkpointing_kwargs_read_under_either_name():
+    """transformers before 5.25 has only ``gradient_checkpointing_kwargs``: a user's offload /
+    RNG options there must reach the captured step's checks, not be ignored."""
+    from types import SimpleNamespace
+
+    from hf_varlen.integrations.captured_trainer import checkpointing_kwargs
+
+    old = SimpleNamespace(gradient_checkpointing_kwargs={"offload": True})
+    assert checkpointing_kwargs(old) == {"offload": True}
+    new = SimpleNamespace(
+        activation_checkpointing_kwargs={"every_n_layers": 2}, gradient_checkpointing_kwargs=None
+    )
+    got = checkpointing_kwargs(new)
+    assert got == {"every_n_layers": 2}
+    got["x"] = 1  # a copy: the caller's arguments stay as the user wrote them
+    assert new.activation_checkpointing_kwargs == {"every_n_layers": 2}
+    assert checkpointing_kwargs(SimpleNamespace()) == {}

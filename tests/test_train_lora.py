@@ -186,3 +186,13 @@ def test_fused_lora_gpu_eager_and_compiled(tmp_path, precision):
     assert dict(counters["graph_break"]) == {}, dict(counters["graph_break"])
     assert summary["compile"]["compilations"] == 1, (summary["compile"], _recompile_reasons())
     assert_numerics(f"--fused-lora --compile {precision} losses", y.float(), hi, lo.float())
+
+
+def test_a_second_run_in_one_process_may_change_precision(tmp_path):
+    """accelerate keeps one process-wide state and refuses an Accelerator of another mixed
+    precision: a run after a bf16-mixed one in the same process (a notebook, a sweep) trains."""
+    from accelerate import Accelerator
+
+    Accelerator(mixed_precision="bf16", cpu=True)
+    losses, _ = _losses(tiny_train_config(tmp_path, "fp32", precision="fp32", max_steps=1))
+    assert losses.numel() == 1 and torch.isfinite(losses).all()
