@@ -189,25 +189,17 @@ def _collator_kwargs() -> dict:
     return dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=m, max_length_k=m)
 
 
-def _llama(backend: str | None = None):
+def _llama():
+    """A tiny Llama in fp64 with varlen_packed (its backend chosen by the caller)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,  # head dim 16, GQA 2
-        max_position_embeddings=64,
-        use_cache=False,
-    )
+    # head dim 16, two query heads per KV head
+    sizes = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2)
+    cfg = LlamaConfig(vocab_size=VOCAB, num_hidden_layers=2, max_position_embeddings=64, **sizes)
+    cfg.use_cache = False
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="varlen_packed")
-    model = model.double()
-    if backend is not None:
-        hf_varlen.set_backend(backend, model=model)
-    return model
+    return model.double()
 
 
 def _step(model, ids, weight, **kwargs):
