@@ -36,53 +36,54 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter on CP
 
 
 @functools.cache
-def _selectors() -> dict[str, object]:
-    """The config selectors as defined (``pick_config``, ``pick_long_path``), found in whichever
-    module of ``hf_varlen.ops`` defines them, so this file follows a move of the schedule (looked
-    up once, before any test pins them)."""
+def _defined(name: str):
+    """The schedule function ``name`` as defined, found in whichever module of ``hf_varlen.ops``
+    defines it, so this file follows a move of the schedule (looked up once, before any test
+    pins the selectors)."""
     importlib.import_module("hf_varlen.ops.attention")
-    found = {}
     for mod_name, mod in list(sys.modules.items()):
-        if not mod_name.startswith("hf_varlen.ops") or mod is None:
-            continue
-        for attr in ("pick_config", "pick_long_path"):
-            fn = getattr(mod, attr, None)
-            if callable(fn) and getattr(fn, "__module__", None) == mod_name:
-                found[attr] = fn
-    assert set(found) == {"pick_config", "pick_long_path"}, found
-    return found
+        fn = getattr(mod, name, None) if mod_name.startswith("hf_varlen.ops") else None
+        if callable(fn) and getattr(fn, "__module__", None) == mod_name:
+            return fn
+    raise AssertionError(f"no module of hf_varlen.ops defines {name}")
 
 
-def _pin(monkeypatch, attr: str, value) -> None:
-    """Every module of ``hf_varlen.ops`` that holds the selector ``attr`` answers ``value``."""
-    real = _selectors()[attr]
-    hits = 0
+def _pin(monkeypatch, attr: str, value) -> list:
+    """Every module of ``hf_varlen.ops`` that holds the selector ``attr`` answers ``value``;
+    returns the list of the calls it answered."""
+    real, calls = _defined(attr), []
     for mod_name, mod in list(sys.modules.items()):
         if mod_name.startswith("hf_varlen.ops") and getattr(mod, attr, None) is real:
-            monkeypatch.setattr(mod, attr, lambda *a, **k: value)
-            hits += 1
-    assert hits >= 2, f"{attr}: expected its definition and the launcher's import, got {hits}"
+            monkeypatch.setattr(mod, attr, lambda *a, **k: calls.append(a) or value)
+    return calls
 
 
 def shipped(head_dim: int):
     """(short config, long path or None) that ships for CUDA fp16 at ``head_dim``."""
-    sel = _selectors()
     return (
-        sel["pick_config"](head_dim, torch.float16, CUDA),
-        sel["pick_long_path"](head_dim, torch.float16, CUDA),
+        _defined("pick_config")(head_dim, torch.float16, CUDA),
+        _defined("pick_long_path")(head_dim, torch.float16, CUDA),
     )
 
 
 @pytest.fixture
 def pin(monkeypatch):
-    """pin(short, long): the kernel launches with these configs (long None: no long path)."""
+    """pin(short, long, h_q, h_kv, folds): the kernels launch with these configs (long None: no
+    long path); ``folds`` (forward, dQ, dK/dV) are the head folds the heads must give under the
+    config that decides them, so that a retuned config cannot silently stop covering a fold.
+    After the test, both selectors must have been asked."""
     monkeypatch.delenv("HF_VARLEN_TRITON_ATTN_CONFIG", raising=False)  # the shipped ones
+    asked = []
 
-    def apply(short, long):
-        _pin(monkeypatch, "pick_config", short)
-        _pin(monkeypatch, "pick_long_path", long)
+    def apply(short, long, h_q, h_kv, folds):
+        cfg = short if long is None else long.cfg
+        got = tuple(_defined("kernel_tiling")(cfg, k, h_q // h_kv)[0] for k in ("fwd", "dq", "kv"))
+        assert got == folds, f"{h_q}/{h_kv} heads fold {got} under {cfg}, not {folds}"
+        asked.extend((_pin(monkeypatch, "pick_config", short),
+                      _pin(monkeypatch, "pick_long_path", long)))  # fmt: skip
 
-    return apply
+    yield apply
+    assert all(asked), "the launcher never asked the pinned selectors"
 
 
 def _fwd_bwd(fn, q, k, v, grad_out):
@@ -112,48 +113,47 @@ def check(lengths, h_q, h_kv, d, *, seed=0, **kw):
 
 
 @pytest.mark.parametrize(
-    "d,h_q,h_kv,lengths,kw",
+    "d,h_q,h_kv,folds,lengths,kw",
     [
         # fold 8 / 2 / 4 (forward / dQ / dK-dV); a T that is no multiple of any tile
-        (64, 8, 1, [1, 37, 70, 5], {}),
+        (64, 8, 1, (8, 2, 4), [1, 37, 70, 5], {}),
         # fold 5 / 1 / 1: 25-token forward tiles, the dK/dV kernel's unfolded stage count;
         # sliding window and softcap through the same tiles
-        (128, 10, 2, [50, 3, 44], dict(window_size=(9, -1), softcap=20.0)),
+        (128, 10, 2, (5, 1, 1), [50, 3, 44], dict(window_size=(9, -1), softcap=20.0)),
         # fold 2 / 2 / 2 at head dim 256's smaller tiles, non-causal
-        (256, 4, 2, [20, 29], dict(causal=False)),
+        (256, 4, 2, (2, 2, 2), [20, 29], dict(causal=False)),
     ],
     ids=["d64-8x1", "d128-10x2-window-softcap", "d256-4x2-noncausal"],
 )
-def test_shipped_short_config(pin, d, h_q, h_kv, lengths, kw):
+def test_shipped_short_config(pin, d, h_q, h_kv, folds, lengths, kw):
     short, _ = shipped(d)
-    pin(short, None)
+    pin(short, None, h_q, h_kv, folds)
     check(lengths, h_q, h_kv, d, **kw)
 
 
 @pytest.mark.parametrize(
-    "d,h_q,h_kv,lengths",
+    "d,h_q,h_kv,folds,lengths",
     [
         # one program per long tile (head dim 64's launch mode), fold 2 in every long kernel
-        (64, 4, 2, [150, 9, 20]),
+        (64, 4, 2, (2, 2, 2), [150, 9, 20]),
         # persistent long launches (head dim 128's), fold 4 / 2 / 4
-        (128, 8, 2, [7, 160, 12]),
+        (128, 8, 2, (4, 2, 4), [7, 160, 12]),
     ],
     ids=["d64-one-program-per-tile", "d128-persistent"],
 )
-def test_shipped_long_path(pin, d, h_q, h_kv, lengths):
+def test_shipped_long_path(pin, d, h_q, h_kv, folds, lengths):
     """The shipped long-document configs, with ``min_span`` lowered so that a small pack's long
     document takes them (the CUDA threshold needs documents of >= 1024 tokens) while its short
     documents keep the shipped short config in the same call."""
     short, long = shipped(d)
     assert long is not None, f"head dim {d} ships a long path"
-    pin(short, dataclasses.replace(long, min_span=64))
+    pin(short, dataclasses.replace(long, min_span=64), h_q, h_kv, folds)
     check(lengths, h_q, h_kv, d)
 
 
 def test_shipped_configs_are_the_cuda_ones():
     """What this file pins is what a CUDA device gets, not the interpreter's config."""
-    sel = _selectors()
-    cpu = sel["pick_config"](64, torch.float16, torch.device("cpu"))
+    cpu = _defined("pick_config")(64, torch.float16, torch.device("cpu"))
     for d in (64, 128, 256):
         short, _ = shipped(d)
         assert short != cpu and short.fwd_block_m >= 64, (d, short)
