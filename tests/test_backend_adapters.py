@@ -30,7 +30,13 @@ import torch
 import torch.nn.attention.varlen as torch_varlen_module
 
 import hf_varlen
-from hf_varlen.backends import AttentionParams, VarlenMetadata, get_spec, register_backend
+from hf_varlen.backends import (
+    AttentionParams,
+    VarlenMetadata,
+    get_spec,
+    register_backend,
+    registry,
+)
 from hf_varlen.reference.attention import attention_reference
 
 LENGTHS = [5, 1, 9]
@@ -431,17 +437,18 @@ MISSING = {
 
 
 @pytest.fixture
-def fresh_probe():
-    """The backend's availability is probed again in the test (and again after it)."""
-    names = []
+def fresh_probe(monkeypatch):
+    """reprobe(name): the backend's availability is probed again in the test. Afterwards the
+    test's patches are undone first, then every backend is probed afresh (the error message
+    lists the available backends, so the test probed them all under its pretended GPU)."""
 
     def reprobe(name):
-        names.append(name)
         register_backend(get_spec(name))  # re-registering drops the cached probe result
 
     yield reprobe
-    for name in names:
-        register_backend(get_spec(name))
+    monkeypatch.undo()
+    for name in list(registry._REGISTRY):
+        reprobe(name)
 
 
 @pytest.mark.parametrize("name", list(MISSING))
