@@ -315,7 +315,7 @@ def test_adapter_arguments(stand_ins, name, variant):
         assert c["extra"] == ({"dropout_p": 0.0} if variant == "fa2" else {})
 
 
-def test_adapters_without_gqa_pass_kv_unchanged(stand_ins):
+def test_torch_without_gqa_passes_kv_unchanged(stand_ins):
     calls = stand_ins("torch")
     q, k, v, _, cu = _inputs(h_q=2, h_kv=2)
     get_spec("torch").fn(

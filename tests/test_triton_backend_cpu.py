@@ -4,6 +4,7 @@ The backend's spec lists CUDA only, so on CPU the public function and the transf
 integration refuse it; here its own spec is registered again with CPU added (``served_on_cpu``),
 so the path is the real one: ``hf_varlen.varlen_attention`` / ``attn_implementation=
 "varlen_packed"`` -> backend dispatch -> ``backends/triton.py`` -> the tile plan and the kernels.
+(On a CUDA machine the same tests run on the GPU, with the compiled kernels.)
 
 Capture safety (what a CUDA graph capture of the attention needs; the captured training step
 replays it with new offsets in the same tensors), checked by proxy as the fused loss's
@@ -185,7 +186,7 @@ VOCAB = 61
 def _collator_kwargs() -> dict:
     """cu_seq_lens_q/k and max_length_q/k as a packing collator emits them for LENGTHS."""
     cu = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
-    m = max(LENGTHS)
+    cu, m = cu.to(DEVICE), max(LENGTHS)
     return dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=m, max_length_k=m)
 
 
@@ -199,7 +200,7 @@ def _llama():
     cfg.use_cache = False
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="varlen_packed")
-    return model.double()
+    return model.to(DEVICE, torch.float64)
 
 
 def _step(model, ids, weight, **kwargs):
@@ -226,9 +227,9 @@ def _each_alone(model, ids, weight):
 def test_llama_packed_on_triton_equals_each_document_alone(served_on_cpu, style):
     g = torch.Generator().manual_seed(1)
     total = sum(LENGTHS)
-    ids = torch.randint(0, VOCAB, (1, total), generator=g)
-    weight = torch.randn(1, total, VOCAB, generator=g, dtype=torch.float64)
-    positions = torch.cat([torch.arange(n) for n in LENGTHS])[None]
+    ids = torch.randint(0, VOCAB, (1, total), generator=g).to(DEVICE)
+    weight = torch.randn(1, total, VOCAB, generator=g, dtype=torch.float64).to(DEVICE)
+    positions = torch.cat([torch.arange(n) for n in LENGTHS])[None].to(DEVICE)
     kwargs = {"position_ids": positions}
     if style == "collator":
         kwargs |= _collator_kwargs()
@@ -259,8 +260,8 @@ def test_llama_capture_writes_no_cache(served_on_cpu, capture):
     hf_varlen.set_backend("triton", model=model)
     total = sum(LENGTHS)
     ids = torch.randint(0, VOCAB, (1, total), generator=torch.Generator().manual_seed(2))
-    weight = torch.ones(1, total, VOCAB, dtype=torch.float64)
-    kwargs = dict(position_ids=torch.cat([torch.arange(n) for n in LENGTHS])[None])
+    ids, weight = ids.to(DEVICE), torch.ones(1, total, VOCAB, dtype=torch.float64, device=DEVICE)
+    kwargs = dict(position_ids=torch.cat([torch.arange(n) for n in LENGTHS])[None].to(DEVICE))
     kwargs |= _collator_kwargs()
     before = _cache_state()
     got, asked = capture(lambda: _step(model, ids, weight, **kwargs))
