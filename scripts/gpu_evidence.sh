@@ -143,7 +143,7 @@ pack_runs() {  # pack_runs STEP: bench_e2e's per-run folders into one archive pe
 case "$stage" in
 tests)
     shift 2
-    files=${*:-$(grep -l "mark.gpu" tests/test_*.py)}  # default: every file that holds a GPU test
+    files=${*:-$(grep -rl --include="test_*.py" "mark.gpu" tests | sort)}  # default: every GPU file
     for f in $files; do
         case "$f" in
         *trl*|*mixed_precision*) marker=() ;;  # CPU-marked tests that train on CUDA when present
@@ -154,8 +154,9 @@ tests)
     ;;
 suite)
     workers=${HF_VARLEN_GPU_WORKERS:-8}
-    gpu_files=$(grep -l "mark.gpu" tests/test_*.py)
-    trainer_files="tests/test_trl.py tests/test_trl_fused_loss.py tests/test_mixed_precision.py"
+    gpu_files=$(grep -rl --include="test_*.py" "mark.gpu" tests | sort)
+    trainer_files="tests/integrations/test_trl.py tests/integrations/test_trl_fused_loss.py
+        tests/models/test_mixed_precision.py"
     opts=(--timeout 300 --durations 25)  # pytest-xdist and pytest-timeout load by entry point
     # -v: a run cut at its timeout still names every test that finished (95% took 420 s)
     cache=(-o cache_dir=/tmp/hf_varlen_suite_cache)  # its own: the trainers' run must not overwrite it
@@ -239,9 +240,10 @@ json.dump(cfg, open(sys.argv[1], "w"))
 PY
     # 4 workers: beside 7 others the long-path reference ran out of memory (BENCHMARKS run Q)
     step pytest_tma 500 env HF_VARLEN_TRITON_ATTN_CONFIG="$cfg" python3 -m pytest -q \
-        -m "gpu and not big_memory" -n "${HF_VARLEN_GPU_WORKERS:-4}" tests/test_attention_tma.py \
-        tests/test_triton_attention.py tests/test_attention_long_path.py \
-        tests/test_compile_attention.py tests/test_cuda_graph_capture.py
+        -m "gpu and not big_memory" -n "${HF_VARLEN_GPU_WORKERS:-4}" \
+        tests/ops/test_attention_tma.py tests/ops/test_triton_attention.py \
+        tests/ops/test_attention_long_path.py \
+        tests/backends/test_compile_attention.py tests/backends/test_cuda_graph_capture.py
     ;;
 e2e)
     step bench_e2e 560 python3 scripts/bench_e2e.py --out "$out/e2e" --plots-dir "$out/e2e" \

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted(p.name for p in (ROOT / "examples").glob("*.py"))
 # The fewest steps and smallest shapes that still train (two steps: a loss before and after).
 FAST_FLAGS = {

@@ -9,7 +9,7 @@ import sys
 import tomllib
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # sys.modules[name] = None is how Python spells "not installed": `import triton` raises
 # ModuleNotFoundError and importlib.util.find_spec("triton") returns None, as without the package.

@@ -1,9 +1,9 @@
 """The captured step inside HF ``Trainer`` (``VarlenTrainer``) and TRL's ``SFTTrainer``
 (``VarlenSFTTrainer``): issue 46 item 2 on the CPU.
 
-Capture is simulated as in tests/test_train_cuda_graphs.py (a "replay" runs the captured function
-again on the same static buffers; the batch's device reads as CUDA), so what is checked is all
-around the capture: padding to a bucket on the device, per-shape static buffers, the loss with
+Capture is simulated as in tests/training/test_train_cuda_graphs.py (a "replay" runs the captured
+function again on the same static buffers; the batch's device reads as CUDA), so what is checked is
+all around the capture: padding to a bucket on the device, per-shape static buffers, the loss with
 ``num_items_in_batch`` and the accumulation scale as device tensors, gradients accumulated into
 static buffers that Trainer's ``zero_grad`` resets, a shape first seen late in an accumulation,
 TRL's metrics, and every refusal. Step by step against the same trainer with ``cuda_graphs="off"``:

@@ -3,7 +3,7 @@
 A tiny HF model trains identically with and without the fused loss: loss and gradients, SGD curves,
 the Triton row backend, PEFT heads, TRL's fused head passing through, batches without label tokens,
 an FSDP2 two-rank sharded head, and the refusals at install. The op itself is tested against the
-full-logits reference in tests/test_cross_entropy.py.
+full-logits reference in tests/ops/test_cross_entropy.py.
 """
 
 from __future__ import annotations
@@ -389,7 +389,7 @@ def test_fsdp2_two_ranks_sharded_lm_head(tmp_path):
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     out = tmp_path / "result.pt"
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.run(
         [sys.executable, str(script), str(port), str(out)], env=env, capture_output=True, text=True

@@ -28,7 +28,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: E402
 import hf_varlen  # noqa: E402
 from hf_varlen.testing import assert_numerics  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 N_EXAMPLES = 6
 
 

@@ -30,7 +30,7 @@ from transformers import AutoTokenizer, Trainer, TrainerCallback  # noqa: E402
 
 from hf_varlen.testing import assert_numerics  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 N_EXAMPLES = 6
 STEPS = 3
 

@@ -19,7 +19,7 @@ import pathlib
 import model_families as mf
 import pytest
 
-PAGE = pathlib.Path(__file__).resolve().parents[1] / "docs" / "models.md"
+PAGE = pathlib.Path(__file__).resolve().parents[2] / "docs" / "models.md"
 # one family per kind of outcome: plain, KV-shared Gemma 4, hybrid with installed linear
 # attention, a stale class flag, a refused legacy class, RoBERTa-style positions, a refused
 # stateful mixer

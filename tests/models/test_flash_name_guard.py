@@ -19,7 +19,7 @@ import transformers
 KNOWN = {
     ("gemma4", "Gemma4TextModel._maybe_slice_kv_shared_inputs"): (
         "slices each mask as 4-D: our mask function hands the padding mask on as (B, 1, 1, K) "
-        "(tests/test_gemma4.py)"
+        "(tests/models/test_gemma4.py)"
     ),
     ("gemma4_unified", "Gemma4UnifiedTextModel._maybe_slice_kv_shared_inputs"): "as gemma4",
     ("falcon", "FalconModel.forward"): (

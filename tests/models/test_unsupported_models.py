@@ -1,5 +1,5 @@
 """Loud where varlen_packed cannot be right (real transformers model classes, tiny configs, CPU).
-(Attention sinks, gpt-oss's s_aux, are served now: tests/test_sink_models.py.)
+(Attention sinks, gpt-oss's s_aux, are served now: tests/models/test_sink_models.py.)
 
 - a model whose attention needs a 4-D mask (DSA indexer: deepseek_v32, glm_moe_dsa) or that does
   not use transformers' attention interface (bloom, xglm, mpt; codegen, falcon and gptj up to
@@ -255,7 +255,7 @@ def test_dropped_position_ids_of_a_packed_batch_raise(kind):
 def test_config_fields_transformers_refuses_for_flash_are_refused():
     """ALiBi (falcon) needs a position bias in the mask: refused as transformers refuses it for
     FlashAttention, while the same class without it runs (hrm_text's config.prefix_lm=True, the
-    other such field, is refused in tests/test_all_families.py's sweep)."""
+    other such field, is refused in tests/models/test_all_families.py's sweep)."""
     kw = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=4)
     model = _tiny("falcon", **kw, alibi=True)
     with pytest.raises(ValueError, match=r"model_type='falcon'.*config.alibi=True.*'sdpa'"):

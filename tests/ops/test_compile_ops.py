@@ -23,7 +23,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import hf_varlen
 from hf_varlen.testing import assert_numerics
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 triton_runs = pytest.mark.skipif(
     DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
@@ -274,7 +274,7 @@ def _step(model, batch):
 
 
 def _tiny_and_batch(family, device, dtype):
-    sys.path.insert(0, str(ROOT / "tests"))
+    sys.path.insert(0, str(ROOT / "tests" / "integrations"))
     from test_kernelize import packed_batch, tiny
 
     # attn_implementation="eager" (tiny's), one non-packed row with labels: this tests the row
@@ -417,7 +417,7 @@ def test_row_ops_compile_once_at_1b_widths_inductor():
     one compilation each. The tiny-width tests cannot see these: there the sizes lie elsewhere.
     Measured before the fix: batch-8 packs of 487..904 tokens recompiled at the first pack under
     528 rows (a min(rows, programs) grid)."""
-    sys.path.insert(0, str(Path(__file__).parent))
+    sys.path.insert(0, str(ROOT / "tests" / "backends"))
     from test_compile_attention import _CountingBackend
     from torch._dynamo.utils import clear_compilation_metrics
     from traced_triton_compile import row_op_cases, train_over_token_counts

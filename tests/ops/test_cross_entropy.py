@@ -4,7 +4,7 @@ Op tests compare the loss and every gradient (hidden, weight, bias) with the num
 (``hf_varlen.testing.assert_numerics``): ref_hi is the reference in fp64, ref_lo the reference in
 the input dtype (bf16 logits + fp32 loss, as HF computes it). Both row-step backends run: "torch"
 and "triton" (under TRITON_INTERPRET=1 on CPU, so kept to small shapes). The HF model wiring is
-tested in tests/test_cross_entropy_model.py.
+tested in tests/integrations/test_cross_entropy_model.py.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("trl")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _bench():

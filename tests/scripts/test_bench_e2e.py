@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import bench_e2e  # noqa: E402
@@ -116,7 +116,7 @@ def test_every_mode_maps_to_a_valid_train_config():
     four_bit = "load_in_4bit" in TrainConfig.__dataclass_fields__
     for mode in bench_e2e.MODES:
         if bench_e2e.MODES[mode].get("peer"):
-            continue  # a peer is no hf-varlen train run (tests/test_bench_peers.py)
+            continue  # a peer is no hf-varlen train run (tests/scripts/test_bench_peers.py)
         if bench_e2e.MODES[mode].get("load_in_4bit") and not four_bit:
             assert bench_e2e.mode_unavailable(mode, "cuda").startswith("hf-varlen train has no")
             continue

@@ -1,7 +1,8 @@
 """The captured step (``training/graphs.py``) under bf16-mixed, gradient checkpointing and LoRA
 (issue 46 item 1, issue 47 item 1's capture): simulated capture on the CPU, as in
-tests/test_train_cuda_graphs.py (a "replay" runs the captured function again on the same static
-buffers), against the eager trainer step by step: per-step loss and gradient norm, final weights.
+tests/training/test_train_cuda_graphs.py (a "replay" runs the captured function again on the same
+static buffers), against the eager trainer step by step: per-step loss and gradient norm, final
+weights.
 
 bf16-mixed is judged by the numerics rule (ref_hi: the eager fp32 run; ref_lo: the eager
 bf16-mixed run): the captured run differs from the eager one by its fused AdamW and its own

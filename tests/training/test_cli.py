@@ -21,7 +21,7 @@ import pytest
 from hf_varlen import cli
 from hf_varlen.training import sources
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--builtin-examples", "48", "--max-length", "256", "--tokens-per-batch", "512"]
 TINY += ["--no-progress", "--no-save-final"]
 

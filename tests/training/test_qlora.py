@@ -1,6 +1,6 @@
 """QLoRA: bitsandbytes NF4 bases through transformers' ``BitsAndBytesConfig`` with peft LoRA,
 packed batches, ``varlen_packed`` and hf_varlen's kernels. The flags, refusals and the config
-handed to ``from_pretrained`` are ``tests/test_train_lora.py`` (no bitsandbytes needed).
+handed to ``from_pretrained`` are ``tests/training/test_train_lora.py`` (no bitsandbytes needed).
 Everything here needs bitsandbytes and CUDA (``pytest -m gpu``). Not on CPU: bitsandbytes 0.50
 quantises there, but its CPU 4-bit matmul (``bitsandbytes::gemv_4bit``) has no autograd kernel
 (torch warns "silently incorrect"), and the input gradients through a 4-bit layer came out wrong

@@ -25,7 +25,7 @@ from hf_varlen.training import PackedTrainer, TrainConfig
 from hf_varlen.training.builtin import byte_tokenizer
 from hf_varlen.training.data import tokenize
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 tiny = epoch_train_config

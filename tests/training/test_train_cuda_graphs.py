@@ -7,7 +7,8 @@ accumulation into static ``.grad`` buffers, the clip, the fused AdamW update wit
 as tensors the scheduler fills, a non-finite step skipped on the device, one read-back per step —
 against the eager trainer on the same data (CPU, fp32, tiny Llama). Also: which runs can capture,
 ``on`` refusing with the reasons before anything loads, ``auto`` saying why it stayed off.
-The capture itself runs on the GPU (tests/test_cuda_graph_capture.py and the e2e benchmark).
+The capture itself runs on the GPU (tests/backends/test_cuda_graph_capture.py and the e2e
+benchmark).
 """
 
 from __future__ import annotations
@@ -197,7 +198,8 @@ def test_a_new_shape_late_in_a_step_keeps_the_accumulated_micro_batches():
 def test_which_runs_can_capture(tmp_path):
     cuda = torch.device("cuda")
     assert graph_blockers(_tiny(tmp_path, "ok"), cuda, 1, "bf16") == []
-    # Captured since issue 46: bf16-mixed and checkpointing (tests/test_captured_step_modes.py).
+    # Captured since issue 46: bf16-mixed and checkpointing
+    # (tests/training/test_captured_step_modes.py).
     ok = _tiny(tmp_path, "ok", gradient_checkpointing=True, lora=True)
     assert graph_blockers(ok, cuda, 1, "bf16-mixed") == []
     cases = {

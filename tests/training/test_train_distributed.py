@@ -26,7 +26,7 @@ from hf_varlen.packing import TokenBudgetBatchSampler
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BUDGET = 512
 # Byte tokenizer, text format: a text of n - 1 characters is n tokens (with eos).
 TRAIN_LENGTHS = [500, 450, 400, 300, 250, 90, 80, 40]

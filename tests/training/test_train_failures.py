@@ -97,8 +97,8 @@ def test_divergent_cli_run_exits_nonzero(tmp_path, capsys):
 
 
 def test_failed_final_save_is_an_error(tmp_path):
-    # A file in the way before the start is refused up front (tests/test_train_rules.py); one that
-    # appears during training fails the export.
+    # A file in the way before the start is refused up front (tests/training/test_train_rules.py);
+    # one that appears during training fails the export.
     trainer = PackedTrainer(tiny(tmp_path, max_steps=1, save_final=True))
     (tmp_path / "run" / "final").write_text("a file where the model folder should go")
     with pytest.raises(CheckpointError, match="final"):

@@ -12,7 +12,7 @@
   quantisation, bf16 compute, on the run's GPU), for a pretrained folder and for a preset (saved
   once, reloaded quantised), and peft's ``prepare_model_for_kbit_training`` before the adapters.
   These run with ``from_pretrained`` stubbed: bitsandbytes' 4-bit matmul needs the GPU, where
-  ``tests/test_qlora.py`` trains for real (``pytest -m gpu``). Skipped here: the quantised
+  ``tests/training/test_qlora.py`` trains for real (``pytest -m gpu``). Skipped here: the quantised
   matmul and everything after it.
 """
 
