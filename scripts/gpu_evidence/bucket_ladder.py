@@ -12,7 +12,7 @@ budget), so every batch has a bucket. A second table shows what a ``max_document
 token-budget packing (more batches). The tokenization is the alpaca format of ``hf-varlen train``
 (``### Instruction / ### Input / ### Response``, prompt with special tokens, answer + EOS).
 
-    python scripts/bucket_ladder.py            # the shared alpaca, the Qwen2 tokenizer
+    python scripts/gpu_evidence/bucket_ladder.py   # the shared alpaca, the Qwen2 tokenizer
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import numpy as np
 
 from hf_varlen import ExampleCountBatchSampler, TokenBudgetBatchSampler, bucket_ladder
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+SHARED = Path(__file__).resolve().parents[3] / "shared" / "data"
 
 # name -> (multiple, steps_per_doubling); steps None = linear multiples.
 LADDERS = {

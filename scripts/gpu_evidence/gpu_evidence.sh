@@ -1,63 +1,65 @@
 #!/usr/bin/env bash
 # The GPU evidence the issues ask for, in stages that each fit one 10-minute call on the H200
 # machine (../shared/docs/GPU.md). Run from the repository root with `.gpu-wheels/base` carried
-# (`bash ../shared/tools/gpu_wheels.sh` makes it); results and logs go to OUT_DIR.
+# (`bash ../shared/tools/gpu_wheels.sh` makes it); results and logs go to OUT_DIR:
 #
-#   bash scripts/gpu_evidence.sh tests     OUT_DIR   # pytest -m gpu, file by file
-#   bash scripts/gpu_evidence.sh suite     OUT_DIR   # the same in one pytest-xdist run (faster)
-#   bash scripts/gpu_evidence.sh pytest    OUT_DIR ARGS...  # one pytest run with these arguments
-#   bash scripts/gpu_evidence.sh cmd       OUT_DIR NAME SECS CMD...  # any command, logged as NAME
-#   bash scripts/gpu_evidence.sh bisect    OUT_DIR ARGS...  # one pytest run (ARGS) in this tree and
-#                                  in each older tree under .bisect/, side by side (below)
-#   bash scripts/gpu_evidence.sh kernels   OUT_DIR   # bench_rope / glu / rmsnorm / loss
-#   bash scripts/gpu_evidence.sh attention OUT_DIR   # bench_attention: 32/8/128 on every case,
-#                                  then the other head configs on three cases
-#   bash scripts/gpu_evidence.sh attention_bwd OUT_DIR  # triton backward: split vs fused (atomic
-#                                  dQ) on every case, f+b and per kernel (no FA4 needed)
-#   bash scripts/gpu_evidence.sh tma       OUT_DIR   # tensor-descriptor loads (KernelConfig.tma)
-#                                  on vs off in one run (providers triton_tma, and
-#                                  triton_fused_tma: the fused backward with bulk dQ reductions),
-#                                  f+b on long and short packs (off: BENCHMARKS run Q)
-#   bash scripts/gpu_evidence.sh tma_tests OUT_DIR   # the attention, compile and CUDA-graph GPU
-#                                  tests with descriptors forced on by the tuning override (needs
-#                                  pytest-xdist among the carried wheels, as `suite`)
-#   bash scripts/gpu_evidence.sh e2e       OUT_DIR   # bench_e2e: 1B table + step profiles
-#   bash scripts/gpu_evidence.sh train     OUT_DIR   # hf-varlen train: packed vs padded vs accelerate
-#   bash scripts/gpu_evidence.sh trl       OUT_DIR   # bench_trl: TRL SFTTrainer, bf16, 1B shape
-#   bash scripts/gpu_evidence.sh baseline  OUT_DIR   # attention/rope timings, .baseline/ vs this tree
-#   bash scripts/gpu_evidence.sh compile   OUT_DIR   # bench_e2e: compiled vs eager at one batch size
-#                                  (HF_VARLEN_BATCH_SIZES, default 32; HF_VARLEN_COMPILE_MODES;
-#                                   HF_VARLEN_REPEATS interleaved runs per cell, default 1; a
-#                                   1B-shape compile cell takes 85-200 s on the H200, a repeat
-#                                   ~45 s from Inductor's cache)
-#   bash scripts/gpu_evidence.sh graphs    OUT_DIR   # bench_e2e: --cuda-graphs on, eager and
-#                                  compiled, B32 and B8; 25 steps, so that steps replaying every
-#                                  shape remain after the capture steps
-#                                  (HF_VARLEN_GRAPH_MODES, HF_VARLEN_BATCH_SIZES)
-#   bash scripts/gpu_evidence.sh coverage  OUT_DIR   # bench_coverage_check: the eager offsets check
-#   bash scripts/gpu_evidence.sh multigpu  OUT_DIR   # bench_multigpu: 1 process vs DDP vs FSDP2
-#                                  (1B shape, 16K tokens per rank; needs a machine of >= 2 GPUs)
-#   bash scripts/gpu_evidence.sh multigpu_extra OUT_DIR  # the one-process CUDA-graph step on
-#                                  the same packs (the ceiling beside DDP / FSDP2's eager steps),
-#                                  and DDP checkpoint + resume across the ranks (ddp-resume)
-#   bash scripts/gpu_evidence.sh lora      OUT_DIR   # bench_e2e: LoRA r=16 vs full, B8 and B32
-#                                                     (needs the peft wheel among the carried ones)
-#   bash scripts/gpu_evidence.sh peers_install OUT_DIR  # the peers' wheels (carry the parts of
-#                                  .gpu-wheels/peers, scripts/gpu_wheels_peers.sh, in this call or
-#                                  earlier ones while the machine stays warm) into /tmp/peers/unsloth
-#                                  and /tmp/peers/trl, each site once all its wheels are here
-#   bash scripts/gpu_evidence.sh peers     OUT_DIR   # bench_e2e: our modes beside Unsloth and TRL
-#                                  (+ Liger) at one batch size per call, each peer in its own
-#                                  worker and site (scripts/e2e_peers.py); HF_VARLEN_PEER_KIND full
-#                                  (default) | lora | qlora, HF_VARLEN_MODEL llama-1b | qwen3-8b,
-#                                  HF_VARLEN_LAYERS, HF_VARLEN_DATA alpaca | mix,
-#                                  HF_VARLEN_MAX_LENGTH (1024), HF_VARLEN_BATCH_SIZES (8),
-#                                  HF_VARLEN_PEER_MODES (instead of the kind's list),
-#                                  HF_VARLEN_STEPS (20), HF_VARLEN_WARMUP (5); the saved models stay
-#                                  in /tmp/hf_varlen_e2e
-#   bash scripts/gpu_evidence.sh bundle    OUT_DIR   # everything under OUT_DIR into one
-#                                  OUT_DIR/bundle.tgz, the rest removed: the GPU machine returns
-#                                  only a few files per call (a call's results.json were lost so)
+#   bash scripts/gpu_evidence/gpu_evidence.sh STAGE OUT_DIR [ARGS...]
+#
+#   gpu_evidence.sh tests     OUT_DIR   # pytest -m gpu, file by file
+#   gpu_evidence.sh suite     OUT_DIR   # the same in one pytest-xdist run (faster)
+#   gpu_evidence.sh pytest    OUT_DIR ARGS...  # one pytest run with these arguments
+#   gpu_evidence.sh cmd       OUT_DIR NAME SECS CMD...  # any command, logged as NAME
+#   gpu_evidence.sh bisect    OUT_DIR ARGS...  # one pytest run (ARGS) in this tree and
+#                     in each older tree under .bisect/, side by side (below)
+#   gpu_evidence.sh kernels   OUT_DIR   # bench_rope / glu / rmsnorm / loss
+#   gpu_evidence.sh attention OUT_DIR   # bench_attention: 32/8/128 on every case,
+#                     then the other head configs on three cases
+#   gpu_evidence.sh attention_bwd OUT_DIR  # triton backward: split vs fused (atomic
+#                     dQ) on every case, f+b and per kernel (no FA4 needed)
+#   gpu_evidence.sh tma       OUT_DIR   # tensor-descriptor loads (KernelConfig.tma)
+#                     on vs off in one run (providers triton_tma, and
+#                     triton_fused_tma: the fused backward with bulk dQ reductions),
+#                     f+b on long and short packs (off: BENCHMARKS run Q)
+#   gpu_evidence.sh tma_tests OUT_DIR   # the attention, compile and CUDA-graph GPU
+#                     tests with descriptors forced on by the tuning override (needs
+#                     pytest-xdist among the carried wheels, as `suite`)
+#   gpu_evidence.sh e2e       OUT_DIR   # bench_e2e: 1B table + step profiles
+#   gpu_evidence.sh train     OUT_DIR   # hf-varlen train: packed vs padded vs accelerate
+#   gpu_evidence.sh trl       OUT_DIR   # bench_trl: TRL SFTTrainer, bf16, 1B shape
+#   gpu_evidence.sh baseline  OUT_DIR   # attention/rope timings, .baseline/ vs this tree
+#   gpu_evidence.sh compile   OUT_DIR   # bench_e2e: compiled vs eager at one batch size
+#                     (HF_VARLEN_BATCH_SIZES, default 32; HF_VARLEN_COMPILE_MODES;
+#                      HF_VARLEN_REPEATS interleaved runs per cell, default 1; a
+#                      1B-shape compile cell takes 85-200 s on the H200, a repeat
+#                      ~45 s from Inductor's cache)
+#   gpu_evidence.sh graphs    OUT_DIR   # bench_e2e: --cuda-graphs on, eager and
+#                     compiled, B32 and B8; 25 steps, so that steps replaying every
+#                     shape remain after the capture steps
+#                     (HF_VARLEN_GRAPH_MODES, HF_VARLEN_BATCH_SIZES)
+#   gpu_evidence.sh coverage  OUT_DIR   # bench_coverage_check: the eager offsets check
+#   gpu_evidence.sh multigpu  OUT_DIR   # bench_multigpu: 1 process vs DDP vs FSDP2
+#                     (1B shape, 16K tokens per rank; needs a machine of >= 2 GPUs)
+#   gpu_evidence.sh multigpu_extra OUT_DIR  # the one-process CUDA-graph step on
+#                     the same packs (the ceiling beside DDP / FSDP2's eager steps),
+#                     and DDP checkpoint + resume across the ranks (ddp-resume)
+#   gpu_evidence.sh lora      OUT_DIR   # bench_e2e: LoRA r=16 vs full, B8 and B32
+#                     (needs the peft wheel among the carried ones)
+#   gpu_evidence.sh peers_install OUT_DIR  # the peers' wheels (carry the parts of
+#                     .gpu-wheels/peers, scripts/gpu_evidence/gpu_wheels_peers.sh, in this call
+#                     or earlier ones while the machine stays warm) into /tmp/peers/unsloth
+#                     and /tmp/peers/trl, each site once all its wheels are here
+#   gpu_evidence.sh peers     OUT_DIR   # bench_e2e: our modes beside Unsloth and TRL
+#                     (+ Liger) at one batch size per call, each peer in its own
+#                     worker and site (scripts/e2e_peers.py); HF_VARLEN_PEER_KIND full
+#                     (default) | lora | qlora, HF_VARLEN_MODEL llama-1b | qwen3-8b,
+#                     HF_VARLEN_LAYERS, HF_VARLEN_DATA alpaca | mix,
+#                     HF_VARLEN_MAX_LENGTH (1024), HF_VARLEN_BATCH_SIZES (8),
+#                     HF_VARLEN_PEER_MODES (instead of the kind's list),
+#                     HF_VARLEN_STEPS (20), HF_VARLEN_WARMUP (5); the saved models stay
+#                     in /tmp/hf_varlen_e2e
+#   gpu_evidence.sh bundle    OUT_DIR   # everything under OUT_DIR into one
+#                     OUT_DIR/bundle.tgz, the rest removed: the GPU machine returns
+#                     only a few files per call (a call's results.json were lost so)
 #
 # `tests` takes optional test files after OUT_DIR (default: every file that holds a GPU test), and
 # also runs the TRL / mixed-precision files, whose trainers use the GPU when there is one.
@@ -81,8 +83,9 @@
 # `train` and `e2e` read the shared data from runs/shared (carry it): alpaca_5000.json, lima.json
 # and the qwen2 tokenizer folder. FA4 joins `attention` when it is importable (GPU.md's two calls).
 # Every step has its own timeout, so a slow one never hides the others' results.
-# With `.gpu-wheels/latest` carried too (scripts/gpu_wheels_latest.sh), every stage runs on the
-# transformers / kernels / huggingface_hub a fresh install resolves instead of base's 5.22.2.
+# With `.gpu-wheels/latest` carried too (scripts/gpu_evidence/gpu_wheels_latest.sh), every stage
+# runs on the transformers / kernels / huggingface_hub a fresh install resolves instead of base's
+# 5.22.2.
 set -uo pipefail
 stage=${1:?stage: tests|suite|pytest|bisect|cmd|kernels|attention|e2e|train|trl|baseline|compile|...}
 out=${2:?OUT_DIR}
@@ -90,8 +93,9 @@ mkdir -p "$out"
 out=$(cd "$out" && pwd)  # absolute: some stages run from another directory
 export PYTHONPATH="/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PATH="/tmp/site/bin:$PATH"  # the carried wheels' executables (py-spy for bench_e2e --profile)
-site_wheels() {  # base's wheels, or with .gpu-wheels/latest (scripts/gpu_wheels_latest.sh) its
-    # wheels and base's other ones: one release per project, so /tmp/site holds one dist-info each
+site_wheels() {  # base's wheels, or with .gpu-wheels/latest (gpu_wheels_latest.sh beside this
+    # script) its wheels and base's other ones: one release per project, so /tmp/site holds one
+    # dist-info each
     [ -d .gpu-wheels/latest ] || { ls .gpu-wheels/base/*.whl; return; }
     local w newer
     newer=" $(ls .gpu-wheels/latest/*.whl | xargs -n1 basename | cut -d- -f1 | tr 'A-Z\n' 'a-z ')"

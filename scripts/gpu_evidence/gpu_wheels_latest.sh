@@ -3,16 +3,18 @@
 # transformers 5.22.2 + kernels 0.17.2 (its `base`), while a fresh install (CI, users) resolves
 # transformers 5.25 + kernels 0.19 + huggingface_hub 2.4. This fills `.gpu-wheels/latest` (ignored
 # by git, ~30 MiB) with those releases and the dependencies the GPU image lacks or has too old;
-# carry it next to `base` and scripts/gpu_evidence.sh installs it over base's transformers/kernels:
+# carry it next to `base` and scripts/gpu_evidence/gpu_evidence.sh installs it over base's
+# transformers/kernels:
 #
-#   bash scripts/gpu_wheels_latest.sh                       # here, from the project root
-#   run(carry=[".gpu-wheels/base", ".gpu-wheels/latest"], command="bash scripts/gpu_evidence.sh ...")
+#   bash scripts/gpu_evidence/gpu_wheels_latest.sh      # here, from the project root
+#   bash scripts/gpu_evidence/gpu_evidence.sh ...       # there, with .gpu-wheels/{base,latest}
 #
 # numpy, packaging, PyYAML, filelock, fsspec and typing_extensions are left to the image (torch
 # depends on them; the releases it has satisfy these pins).
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
-grep -qxF '/.gpu-wheels/' .git/info/exclude 2>/dev/null || echo '/.gpu-wheels/' >> .git/info/exclude
+# never committed: .gitignore names /.gpu-wheels/ (a worktree's .git is a file: ask git where)
+git check-ignore -q .gpu-wheels/latest || echo '/.gpu-wheels/' >> "$(git rev-parse --git-path info/exclude)"
 dest=.gpu-wheels/latest
 rm -rf "$dest"
 mkdir -p "$dest"

@@ -7,7 +7,7 @@
 # matplotlib (and what they depend on): those are left out, so each peer runs on the image's
 # transformers 5.17.0 (hf_varlen's modes keep their own from .gpu-wheels/base).
 #
-#   bash scripts/gpu_wheels_peers.sh                 # here, from the project root
+#   bash scripts/gpu_evidence/gpu_wheels_peers.sh    # here, from the project root
 #
 # fills .gpu-wheels/peers/part1, part2, ... (ignored by git), each under HF_VARLEN_PART_MIB
 # (default 40) MiB, so that one GPU call carries a part beside the tree (~2 MiB) and runs/shared
@@ -18,8 +18,8 @@
 # its 16-bit and full fine-tuning; no build for torch 2.11 loads) and torchvision stay out.
 # On the GPU machine, with the parts carried (in one call or over calls while it stays warm):
 #
-#   bash scripts/gpu_evidence.sh peers_install OUT   # /tmp/peers/unsloth and /tmp/peers/trl
-#   bash scripts/gpu_evidence.sh peers OUT           # the grid (see gpu_evidence.sh)
+#   bash scripts/gpu_evidence/gpu_evidence.sh peers_install OUT  # /tmp/peers/{unsloth,trl}
+#   bash scripts/gpu_evidence/gpu_evidence.sh peers OUT          # the grid (see gpu_evidence.sh)
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 # never committed: .gitignore names /.gpu-wheels/ (a worktree's .git is a file: ask git where)

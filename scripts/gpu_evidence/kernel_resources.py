@@ -1,8 +1,8 @@
 """Registers, spills and shared memory of the Triton attention kernels, compiled for a GPU that
 need not be here (triton's own ptxas, no driver): what a config costs a kernel before any GPU time.
 
-    python scripts/kernel_resources.py [--arch 90] [--heads 32/8/128,16/16/64] [--kernels fwd,dq,kv]
-        [--out FILE.md] [--json FILE.json]
+    python scripts/gpu_evidence/kernel_resources.py [--arch 90] [--heads 32/8/128,16/16/64]
+        [--kernels fwd,dq,kv] [--out FILE.md] [--json FILE.json]
 
 For each head config, each path (the shipped short config and the long path) and each kernel
 (forward, dQ, dK/dV), the launch the product makes (attention_schedule.launch_passes' fold, blocks,
@@ -32,8 +32,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))  # bench_common's run header
 os.environ.pop("TRITON_INTERPRET", None)  # compile, never interpret (read when kernels are defined)
 
 import torch  # noqa: E402

@@ -1,6 +1,6 @@
-"""scripts/kernel_resources.py: the attention kernels compiled offline for sm_90 (triton's ptxas,
-no GPU), pointer loads vs tensor descriptors. Run in a subprocess: the test session's
-TRITON_INTERPRET=1 turns every kernel into an interpreted one, which cannot be compiled."""
+"""scripts/gpu_evidence/kernel_resources.py: the attention kernels compiled offline for sm_90
+(triton's ptxas, no GPU), pointer loads vs tensor descriptors. Run in a subprocess: the test
+session's TRITON_INTERPRET=1 turns every kernel into an interpreted one, which cannot be compiled."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "scripts" / "kernel_resources.py"
+SCRIPT = ROOT / "scripts" / "gpu_evidence" / "kernel_resources.py"
 
 
 def test_forward_compiles_for_sm90_with_and_without_descriptors(tmp_path):
