@@ -81,6 +81,15 @@ def _fresh_accelerate_state():
 
 
 @pytest.fixture
+def tiny_model():
+    """Builds the shared tiny decoder (tiny_packed.TINY): ``tiny_model(kind="llama",
+    attn="varlen_packed", **config_overrides)``, seeded, without KV cache."""
+    from tiny_packed import tiny_model
+
+    return tiny_model
+
+
+@pytest.fixture
 def fused_backward(monkeypatch):
     """Every triton attention call in the test takes the fused (atomic dQ) backward
     (``KernelConfig.bwd_fused``; off in the shipped configs)."""

@@ -34,6 +34,7 @@ import pathlib
 import warnings
 
 import torch
+from tiny_packed import padded
 
 import hf_varlen
 from hf_varlen.integrations.transformers import check_model
@@ -212,18 +213,6 @@ def _docs(cfg) -> list[torch.Tensor]:
     return [torch.randint(3, min(vocab, VOCAB), (n,), generator=g) for n in LENGTHS]
 
 
-def _padded(docs, side):
-    width = max(LENGTHS)
-    ids = torch.zeros(len(docs), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    spans = []
-    for i, d in enumerate(docs):
-        span = slice(width - len(d), width) if side == "left" else slice(0, len(d))
-        ids[i, span], mask[i, span] = d, 1
-        spans.append(span)
-    return ids, mask, spans
-
-
 def _check(name, got, hi, lo) -> str | None:
     ok, msg = numerics_error(got, hi, lo)
     return None if ok else f"{name}: {msg}"
@@ -274,7 +263,7 @@ def _run_checks(cfg, model, docs, hi, lo, notes: list[str]) -> str | None:
         if bad:
             return bad
     for side in ("left", "right"):
-        ids, mask, spans = _padded(docs, side)
+        ids, mask, spans = padded(docs, side)
         # positions count real tokens, as generate() makes them (each row then equals its
         # document alone for absolute as well as relative position encodings)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
@@ -287,7 +276,7 @@ def _run_checks(cfg, model, docs, hi, lo, notes: list[str]) -> str | None:
 
 
 def _generation(cfg, eager, model, docs) -> str | None:
-    ids, mask, _ = _padded(docs, "left")
+    ids, mask, _ = padded(docs, "left")
     kw = dict(attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0)
     kw["use_cache"] = True
     want = eager.generate(ids, **kw)

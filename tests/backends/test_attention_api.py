@@ -10,6 +10,7 @@ import logging
 import pytest
 import torch
 from attn_cases import cu_from_lengths, make_qkv
+from tiny_packed import tiny_llama
 
 import hf_varlen
 from hf_varlen.backends import AttentionParams, BackendSpec, VarlenMetadata, registry
@@ -76,22 +77,6 @@ def test_user_backend_gets_metadata_and_params(monkeypatch):
 # ---- per-model backend scope ---------------------------------------------------------------------
 
 
-def _tiny_llama():
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    cfg = LlamaConfig(
-        vocab_size=50,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        use_cache=False,
-    )
-    return AutoModelForCausalLM.from_config(cfg, attn_implementation="varlen_packed")
-
-
 def test_set_backend_scoped_to_one_model(monkeypatch):
     from hf_varlen import functional
 
@@ -106,7 +91,7 @@ def test_set_backend_scoped_to_one_model(monkeypatch):
     monkeypatch.setattr(functional, "resolve", spy)
     monkeypatch.delenv("HF_VARLEN_BACKEND", raising=False)
     torch.manual_seed(0)
-    scoped, plain = _tiny_llama(), _tiny_llama()
+    scoped, plain = tiny_llama(layers=2), tiny_llama(layers=2)
     ids = torch.randint(0, 50, (1, 9))
     hf_varlen.set_backend("reference", model=scoped)
     try:

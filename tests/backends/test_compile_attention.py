@@ -29,8 +29,8 @@ import zlib
 import pytest
 import torch
 import torch._dynamo
+from tiny_packed import TINY, tiny_model
 from torch._dynamo.utils import counters
-from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, MistralConfig, Qwen3Config
 
 import hf_varlen
 from hf_varlen.backends.opaque import opaque_attention, opaque_attention_backward
@@ -43,39 +43,9 @@ from hf_varlen.ops.attention import triton_varlen_attention
 from hf_varlen.ops.attention_ops import backward_op, forward_op
 from hf_varlen.testing import assert_numerics
 
-COMMON = dict(
-    vocab_size=97,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-)
-
-
-def _config(kind):
-    cfg = {
-        "llama": lambda: LlamaConfig(**COMMON),
-        "qwen3": lambda: Qwen3Config(**COMMON, head_dim=16),
-        "mistral": lambda: MistralConfig(**COMMON, sliding_window=5),
-        "gemma2": lambda: Gemma2Config(
-            **COMMON,
-            head_dim=16,
-            sliding_window=6,
-            attn_logit_softcapping=5.0,
-            final_logit_softcapping=3.0,
-            query_pre_attn_scalar=16,
-            layer_types=["sliding_attention", "full_attention"],
-        ),
-    }[kind]()
-    cfg.use_cache = False
-    return cfg
-
 
 def _model(kind, dtype=torch.float32, device="cpu"):
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(_config(kind), attn_implementation="varlen_packed")
+    model = tiny_model(kind, max_position_embeddings=512)
     return model.to(device=device, dtype=dtype).train()
 
 
@@ -320,7 +290,7 @@ def test_varlen_packed_forward_under_fake_tensor_mode(style):
             k: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in batch.items()
         }
         out = model(**fake)
-    assert out.logits.shape == (1, 17, COMMON["vocab_size"])
+    assert out.logits.shape == (1, 17, TINY["vocab_size"])
     assert out.logits.dtype == torch.float32 and out.loss.shape == ()
 
 

@@ -84,23 +84,10 @@ def _lengths(rng, total, n_docs):
     return [b - a for a, b in zip([0, *cuts], [*cuts, total])]
 
 
-def test_varlen_packed_llama_step_replays_new_packs():
+def test_varlen_packed_llama_step_replays_new_packs(tiny_model):
     """A tiny Llama's forward + backward through varlen_packed (triton backend) and the fused loss,
     captured once and replayed on packs of the same T and document count but other boundaries."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    cfg = LlamaConfig(
-        vocab_size=97,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        use_cache=False,
-    )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="varlen_packed")
+    model = tiny_model("llama", max_position_embeddings=512)
     hi_model = copy.deepcopy(model).cuda().float()
     model = model.cuda().bfloat16().train()
     hf_varlen.set_backend("triton", model=model)

@@ -18,6 +18,7 @@ import pickle
 import numpy as np
 import pytest
 import torch
+from tiny_packed import tiny_config
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
 import hf_varlen
@@ -288,16 +289,7 @@ def _cpu_backends():
     return [b for b in ("sdpa", "reference") if b in hf_varlen.available_backends()]
 
 
-CFG = dict(
-    vocab_size=97,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    use_cache=False,
-)
+CFG = tiny_config(use_cache=False)
 PAD_ID = 96  # never a real token below, so its embedding row must get exactly zero gradient
 
 

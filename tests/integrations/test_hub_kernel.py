@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_packed import KERNEL_SHAPE
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.utils import import_utils
@@ -138,17 +139,7 @@ def test_flash_attn_entry_points_translate_fa2_arguments(monkeypatch):
 
 
 def tiny_llama(attn_implementation: str) -> LlamaForCausalLM:
-    config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        vocab_size=128,
-        use_cache=False,
-        attn_implementation=attn_implementation,
-    )
+    config = LlamaConfig(**KERNEL_SHAPE, use_cache=False, attn_implementation=attn_implementation)
     torch.manual_seed(0)
     return LlamaForCausalLM(config)
 

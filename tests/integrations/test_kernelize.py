@@ -21,6 +21,7 @@ import os
 
 import pytest
 import torch
+from tiny_packed import KERNEL_SHAPE
 from torch import nn
 from transformers import (
     Gemma2Config,
@@ -66,18 +67,7 @@ needs_kernels = pytest.mark.skipif(
 
 def tiny(family: str, seed: int = 0, device: str = DEVICE, **overrides) -> nn.Module:
     config_cls, model_cls = FAMILIES[family]
-    config = config_cls(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        vocab_size=128,
-        use_cache=False,
-        attn_implementation="eager",
-        **overrides,
-    )
+    config = config_cls(**KERNEL_SHAPE, use_cache=False, attn_implementation="eager", **overrides)
     torch.manual_seed(seed)
     model = model_cls(config)
     with torch.no_grad():  # random norm weights: Llama inits ones, Gemma zeros; exercise the weight

@@ -19,6 +19,7 @@ import copy
 
 import pytest
 import torch
+from tiny_packed import TINY
 from torch import nn
 
 peft = pytest.importorskip("peft")
@@ -36,17 +37,7 @@ LENGTHS = (6, 9, 4)
 def tiny_llama(attn: str = "eager", seed: int = 0) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        vocab_size=97,
-        use_cache=False,
-        attn_implementation=attn,
-    )
+    config = LlamaConfig(**TINY, head_dim=16, use_cache=False, attn_implementation=attn)
     torch.manual_seed(seed)
     return LlamaForCausalLM(config)
 

@@ -12,21 +12,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_packed import TINY, TOKENS, padded
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import hf_varlen
 from hf_varlen.testing import assert_numerics
 
 ATTN = hf_varlen.ATTN_IMPLEMENTATION
-VOCAB = 97
+VOCAB = TINY["vocab_size"]
 LENGTHS = [5, 8, 3]
 GEMMA4 = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=96,
+    TINY,
     num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
     head_dim=16,
     global_head_dim=16,
     num_kv_shared_layers=2,
@@ -34,9 +31,7 @@ GEMMA4 = dict(
     layer_types=["sliding_attention", "full_attention"] * 2,
     hidden_size_per_layer_input=8,
     vocab_size_per_layer_input=VOCAB,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
+    **TOKENS,
 )
 
 
@@ -86,14 +81,7 @@ def test_gemma4_packed_equals_each_document(refs, model):
 @pytest.mark.parametrize("side", ["left", "right"])
 def test_gemma4_padded_batch_equals_each_document(refs, model, side):
     docs, hi, lo = refs
-    width = max(LENGTHS)
-    ids = torch.zeros(len(docs), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    spans = []
-    for i, d in enumerate(docs):
-        span = slice(width - len(d), width) if side == "left" else slice(0, len(d))
-        ids[i, span], mask[i, span] = d, 1
-        spans.append(span)
+    ids, mask, spans = padded(docs, side)
     with torch.no_grad():
         full = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
         last = model(input_ids=ids, attention_mask=mask, logits_to_keep=1).logits
@@ -106,12 +94,7 @@ def test_gemma4_padded_batch_equals_each_document(refs, model, side):
 
 
 def test_gemma4_left_padded_generation_equals_eager(model):
-    docs = _docs()
-    width = max(LENGTHS)
-    ids = torch.zeros(len(docs), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, d in enumerate(docs):
-        ids[i, width - len(d) :], mask[i, width - len(d) :] = d, 1
+    ids, mask, _ = padded(_docs(), "left")
     kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
     want = _build("eager").generate(ids, **kw)
     got = model.generate(ids, **kw)

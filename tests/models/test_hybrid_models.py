@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_packed import TINY, TOKENS, docs_and_batch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import hf_varlen
@@ -19,24 +20,17 @@ from hf_varlen.integrations.linear_attention import is_installed, is_linear_atte
 from hf_varlen.testing import assert_numerics
 
 ATTN = hf_varlen.ATTN_IMPLEMENTATION
-VOCAB = 97
+VOCAB = TINY["vocab_size"]
 LENGTHS = [5, 9, 3]
 SHAPE = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
+    TINY,
     head_dim=16,
     linear_num_key_heads=2,
     linear_num_value_heads=4,
     linear_key_head_dim=16,
     linear_value_head_dim=16,
     layer_types=["linear_attention", "full_attention"],
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
+    **TOKENS,
     use_cache=False,
 )
 FAMILIES = {
@@ -59,11 +53,7 @@ def _build(family, attn, dtype=torch.float32):
 
 
 def _docs_and_batch():
-    g = torch.Generator().manual_seed(1)
-    docs = [torch.randint(3, VOCAB, (n,), generator=g) for n in LENGTHS]
-    batch = hf_varlen.PackingCollator()([{"input_ids": d.tolist()} for d in docs])
-    batch.pop("labels")
-    return docs, batch
+    return docs_and_batch(LENGTHS, VOCAB)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

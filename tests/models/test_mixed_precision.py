@@ -12,55 +12,23 @@ under the same autocast (ref_lo) and through eager in fp64 (ref_hi), by the rule
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
-from transformers import (
-    AutoModelForCausalLM,
-    Gemma2Config,
-    LlamaConfig,
-    Qwen3Config,
-    Trainer,
-    TrainingArguments,
-)
+from tiny_packed import TINY, tiny_model
+from tiny_runs import HF_CPU_STEPS
+from transformers import Trainer, TrainingArguments
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import hf_varlen
 from hf_varlen.integrations.transformers import attention_dtype, varlen_packed_forward
 from hf_varlen.testing import assert_numerics
 
-COMMON = dict(
-    vocab_size=97,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-)
-CONFIGS = {
-    "llama": lambda: LlamaConfig(**COMMON),
-    "qwen3": lambda: Qwen3Config(**COMMON, head_dim=16),
-    "gemma2": lambda: Gemma2Config(
-        **COMMON,
-        head_dim=16,
-        sliding_window=6,
-        attn_logit_softcapping=5.0,
-        final_logit_softcapping=3.0,
-        query_pre_attn_scalar=16,
-        layer_types=["sliding_attention", "full_attention"],
-    ),
-}
 LENGTHS = [7, 12, 3, 9]
 AUTOCAST = dict(device_type="cpu", dtype=torch.bfloat16)
 
 
 def _model(kind, attn, dtype=torch.float32, gradient_checkpointing=False):
-    torch.manual_seed(0)
-    cfg = copy.deepcopy(CONFIGS[kind]())
-    cfg.use_cache = False
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).to(dtype)
+    model = tiny_model(kind, attn).to(dtype)
     model.train()
     if gradient_checkpointing:
         model.gradient_checkpointing_enable()
@@ -69,7 +37,7 @@ def _model(kind, attn, dtype=torch.float32, gradient_checkpointing=False):
 
 def _docs():
     g = torch.Generator().manual_seed(1)
-    return [torch.randint(0, COMMON["vocab_size"], (n,), generator=g) for n in LENGTHS]
+    return [torch.randint(0, TINY["vocab_size"], (n,), generator=g) for n in LENGTHS]
 
 
 def _grads(model):
@@ -140,7 +108,7 @@ def test_fp32_weights_under_bf16_autocast(kind, backend, gradient_checkpointing,
     assert dtype_spy and {s[0] for s in dtype_spy} == {MIXED}, dtype_spy
     assert {s[1] for s in dtype_spy} == {torch.bfloat16}
     if gradient_checkpointing:  # the backward recomputed every layer under the same autocast
-        assert len(dtype_spy) == 2 * COMMON["num_hidden_layers"]
+        assert len(dtype_spy) == 2 * TINY["num_hidden_layers"]
     assert x_logits.dtype == torch.bfloat16
     lo_logits, lo_loss, lo_grads = _per_doc(_model(kind, "eager"), docs, autocast=True)
     hi_logits, hi_loss, hi_grads = _per_doc(_model(kind, "eager", torch.float64), docs, False)
@@ -218,11 +186,7 @@ class _Examples(torch.utils.data.Dataset):
     def __init__(self, n=12):
         g = torch.Generator().manual_seed(2)
         self.rows = [
-            {
-                "input_ids": torch.randint(
-                    0, COMMON["vocab_size"], (int(n_tok),), generator=g
-                ).tolist()
-            }
+            {"input_ids": torch.randint(0, TINY["vocab_size"], (int(n_tok),), generator=g).tolist()}
             for n_tok in torch.randint(3, 15, (n,), generator=g)
         ]
 
@@ -237,17 +201,10 @@ def _trainer_losses(attn, bf16, tmp_path, steps=3):
     model = _model("llama", attn)
     args = TrainingArguments(
         output_dir=str(tmp_path / f"{attn}-{bf16}"),
-        use_cpu=True,
         bf16=bf16,
         gradient_checkpointing=True,
-        per_device_train_batch_size=4,
         max_steps=steps,
-        learning_rate=1e-3,
-        logging_steps=1,
-        report_to="none",
-        save_strategy="no",
-        seed=0,
-        data_seed=0,
+        **HF_CPU_STEPS,
     )
     trainer = Trainer(
         model=model, args=args, train_dataset=_Examples(), data_collator=hf_varlen.PackingCollator()

@@ -7,57 +7,19 @@ eager fp32 = ref_lo and eager fp64 = ref_hi).
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
-from transformers import (
-    AutoModelForCausalLM,
-    Gemma2Config,
-    LlamaConfig,
-    MistralConfig,
-    Qwen3Config,
-)
+from tiny_packed import TINY, family_config, tiny_model
+from transformers import AutoModelForCausalLM
 
 import hf_varlen
 from hf_varlen.testing import assert_numerics
-
-COMMON = dict(
-    vocab_size=97,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-)
-
-
-def _configs():
-    return {
-        "llama": LlamaConfig(**COMMON),
-        "qwen3": Qwen3Config(**COMMON, head_dim=16),
-        "mistral": MistralConfig(**COMMON, sliding_window=5),
-        "gemma2": Gemma2Config(
-            **COMMON,
-            head_dim=16,
-            sliding_window=6,
-            attn_logit_softcapping=5.0,
-            final_logit_softcapping=3.0,
-            query_pre_attn_scalar=16,
-            layer_types=["sliding_attention", "full_attention"],
-        ),
-    }
-
 
 LENGTHS = [7, 12, 3, 9]
 
 
 def _model(kind, attn, dtype=torch.float32):
-    torch.manual_seed(0)
-    cfg = copy.deepcopy(_configs()[kind])
-    cfg.use_cache = False
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).to(dtype)
+    model = tiny_model(kind, attn).to(dtype)
     model.train()  # dropout is 0 in these configs; train mode exercises the training code path
     return model
 
@@ -108,7 +70,7 @@ def _run_packed(model, docs, style):
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "mistral", "gemma2"])
 @pytest.mark.parametrize("style", ["collator", "position_ids"])
 def test_packed_varlen_matches_eager_per_document(kind, style):
-    docs = _docs(COMMON["vocab_size"])
+    docs = _docs(TINY["vocab_size"])
     x_logits, x_loss, x_grads = _run_packed(_model(kind, "varlen_packed"), docs, style)
     lo_logits, lo_loss, lo_grads = _run_eager_per_doc(_model(kind, "eager"), docs)
     hi_logits, hi_loss, hi_grads = _run_eager_per_doc(_model(kind, "eager", torch.float64), docs)
@@ -123,7 +85,7 @@ def test_packed_varlen_matches_eager_per_document(kind, style):
 
 @pytest.mark.parametrize("kind", ["llama", "mistral"])
 def test_padded_2d_mask_matches_eager_on_real_tokens(kind):
-    docs = _docs(COMMON["vocab_size"])[:2]  # lengths 7 and 12, right-padded to 12
+    docs = _docs(TINY["vocab_size"])[:2]  # lengths 7 and 12, right-padded to 12
     t = max(len(d) for d in docs)
     ids = torch.zeros(2, t, dtype=torch.long)
     mask = torch.zeros(2, t, dtype=torch.long)
@@ -139,7 +101,7 @@ def test_padded_2d_mask_matches_eager_on_real_tokens(kind):
 
 
 def test_left_padded_generation_matches_eager():
-    docs = _docs(COMMON["vocab_size"])[:2]
+    docs = _docs(TINY["vocab_size"])[:2]
     t = max(len(d) for d in docs)
     ids = torch.zeros(2, t, dtype=torch.long)
     mask = torch.zeros(2, t, dtype=torch.long)
@@ -162,11 +124,11 @@ def test_left_padded_generation_matches_eager():
 
 
 def test_cross_contamination_at_model_level():
-    docs = _docs(COMMON["vocab_size"])[:3]
+    docs = _docs(TINY["vocab_size"])[:3]
     model = _model("llama", "varlen_packed")
     collator = hf_varlen.PackingCollator()
     base = collator([{"input_ids": d.tolist()} for d in docs])
-    docs2 = [docs[0], torch.randint(0, COMMON["vocab_size"], (len(docs[1]),)), docs[2]]
+    docs2 = [docs[0], torch.randint(0, TINY["vocab_size"], (len(docs[1]),)), docs[2]]
     pert = collator([{"input_ids": d.tolist()} for d in docs2])
     with torch.no_grad():
         a = model(**{k: v for k, v in base.items() if k != "labels"}).logits[0]
@@ -179,7 +141,7 @@ def test_cross_contamination_at_model_level():
 
 def test_packed_loss_equals_unpacked_token_mean_and_trainer_num_items():
     """The HF loss with num_items_in_batch on a packed batch == per-token mean over unpacked docs."""
-    docs = _docs(COMMON["vocab_size"])
+    docs = _docs(TINY["vocab_size"])
     model = _model("llama", "varlen_packed")
     batch = hf_varlen.PackingCollator()([{"input_ids": d.tolist()} for d in docs])
     n_items = int((batch["labels"] != -100).sum())
@@ -207,7 +169,7 @@ def test_register_idempotent_and_set_attn_implementation():
     model.set_attn_implementation("varlen_packed")
     assert model.config._attn_implementation == "varlen_packed"
     hf_varlen.register("varlen_custom")
-    AutoModelForCausalLM.from_config(LlamaConfig(**COMMON), attn_implementation="varlen_custom")
+    AutoModelForCausalLM.from_config(family_config("llama"), attn_implementation="varlen_custom")
 
 
 def test_partial_collator_kwargs_rejected():

@@ -25,51 +25,29 @@ import functools
 
 import pytest
 import torch
+from tiny_packed import TINY, TOKENS, family_config, tiny_config
 from transformers import (
     AutoModelForCausalLM,
     DataCollatorWithFlattening,
-    Gemma2Config,
     GemmaConfig,
     GraniteConfig,
-    LlamaConfig,
-    MistralConfig,
     Olmo2Config,
     Phi3Config,
     Qwen2Config,
-    Qwen3Config,
 )
 
 import hf_varlen
 
-VOCAB = 97
-PAD = 0
-COMMON = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    pad_token_id=PAD,
-    bos_token_id=1,
-    eos_token_id=2,
-)
+VOCAB = TINY["vocab_size"]
+PAD = TOKENS["pad_token_id"]
+COMMON = tiny_config(**TOKENS)
 CONFIGS = {
-    "llama": lambda: LlamaConfig(**COMMON),
-    "mistral": lambda: MistralConfig(**COMMON, sliding_window=5),
+    "llama": functools.partial(family_config, "llama", **TOKENS),
+    "mistral": functools.partial(family_config, "mistral", **TOKENS),
     "qwen2": lambda: Qwen2Config(**COMMON),
-    "qwen3": lambda: Qwen3Config(**COMMON, head_dim=16),
+    "qwen3": functools.partial(family_config, "qwen3", **TOKENS),
     "gemma": lambda: GemmaConfig(**COMMON, head_dim=16),
-    "gemma2": lambda: Gemma2Config(
-        **COMMON,
-        head_dim=16,
-        sliding_window=6,
-        attn_logit_softcapping=5.0,
-        final_logit_softcapping=3.0,
-        query_pre_attn_scalar=16,
-        layer_types=["sliding_attention", "full_attention"],
-    ),
+    "gemma2": functools.partial(family_config, "gemma2", **TOKENS),
     "phi3": lambda: Phi3Config(**COMMON),
     "granite": lambda: GraniteConfig(
         **COMMON,

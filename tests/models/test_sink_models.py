@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_packed import TINY, TOKENS, tiny_config
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import hf_varlen
@@ -15,22 +16,13 @@ from hf_varlen.integrations.transformers import varlen_packed_forward
 from hf_varlen.testing import assert_numerics
 
 ATTN = hf_varlen.ATTN_IMPLEMENTATION
-VOCAB = 97
+VOCAB = TINY["vocab_size"]
 LENGTHS = [5, 9, 4]
-COMMON = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
+COMMON = tiny_config(
     head_dim=16,
-    max_position_embeddings=256,
     sliding_window=3,  # shorter than the documents: the sliding layers really slide
     rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
+    **TOKENS,
 )
 MODELS = {
     "gpt_oss": dict(

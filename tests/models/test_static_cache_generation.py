@@ -6,23 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_packed import TOKENS, tiny_config
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import hf_varlen
 from hf_varlen.testing import assert_numerics
 
-CFG = dict(
-    vocab_size=97,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-)
+CFG = tiny_config(**TOKENS)
 
 
 def _generate(attn, dtype, ids, mask, cache):

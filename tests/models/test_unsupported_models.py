@@ -17,6 +17,7 @@ import re
 
 import pytest
 import torch
+from tiny_packed import TOKENS, docs_and_batch, tiny_config
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.cohere_compass.configuration_cohere_compass import (
     CohereCompassTextConfig,
@@ -29,18 +30,7 @@ from hf_varlen.testing import assert_numerics
 
 ATTN = hf_varlen.ATTN_IMPLEMENTATION
 VOCAB = 97
-LLAMA_LIKE = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-)
+LLAMA_LIKE = tiny_config(vocab_size=VOCAB, **TOKENS)
 LEGACY = {
     "bloom": dict(vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4),
     "codegen": dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, rotary_dim=4),
@@ -92,11 +82,7 @@ def _uses_attention_interface(model) -> bool:
 
 
 def _docs_and_batch():
-    g = torch.Generator().manual_seed(1)
-    docs = [torch.randint(3, VOCAB, (n,), generator=g) for n in LENGTHS]
-    batch = hf_varlen.PackingCollator()([{"input_ids": d.tolist()} for d in docs])
-    batch.pop("labels")
-    return docs, batch
+    return docs_and_batch(LENGTHS, VOCAB)
 
 
 def _each_document_alone(build, docs) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from launch_spy import LaunchSpy
 
 from hf_varlen.ops import glu
 from hf_varlen.ops.glu import geglu, swiglu
@@ -25,22 +26,6 @@ ACTIVATIONS = [
     ),
 ]
 ACT_IDS = [a[0] for a in ACTIVATIONS]
-
-
-class LaunchSpy:
-    """Wraps a Triton kernel to record the keyword arguments of every launch."""
-
-    def __init__(self, kernel):
-        self.kernel, self.launches = kernel, []
-
-    def __getitem__(self, grid):
-        launch = self.kernel[grid]
-
-        def run(*args, **kwargs):
-            self.launches.append((args, kwargs))
-            return launch(*args, **kwargs)
-
-        return run
 
 
 def _check_against_reference(kernel, reference, gate, up, dout, *, tag=""):

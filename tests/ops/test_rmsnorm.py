@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from launch_spy import LaunchSpy
 
 from hf_varlen.ops import rmsnorm
 from hf_varlen.ops.rmsnorm import rms_norm
@@ -13,22 +14,6 @@ from hf_varlen.testing import assert_numerics
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 STYLES = {"llama": False, "gemma": True}
-
-
-class LaunchSpy:
-    """Wraps a Triton kernel to record the keyword arguments of every launch."""
-
-    def __init__(self, kernel):
-        self.kernel, self.launches = kernel, []
-
-    def __getitem__(self, grid):
-        launch = self.kernel[grid]
-
-        def run(*args, **kwargs):
-            self.launches.append((args, kwargs))
-            return launch(*args, **kwargs)
-
-        return run
 
 
 def _inputs(shape, dtype, w_dtype, unit_offset, seed=0):

@@ -20,7 +20,8 @@ import torch._dynamo
 # transformers before hf_varlen: `import hf_varlen` then `import trl` leaves varlen_packed
 # unregistered (trl's find_spec('transformers') consumes hf_varlen's one-shot import hook; reported)
 import transformers  # noqa: F401
-from tiny_runs import tiny_train_config
+from tiny_packed import tiny_model
+from tiny_runs import HF_CPU_STEPS, tiny_train_config
 from torch._dynamo.utils import counters
 
 import hf_varlen  # noqa: F401  (registers varlen_packed with transformers)
@@ -183,21 +184,7 @@ VOCAB = 97
 
 
 def _llama(dtype):
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        use_cache=False,
-    )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="varlen_packed")
-    return model.to(dtype)
+    return tiny_model("llama", vocab_size=VOCAB).to(dtype)
 
 
 def _rows(n=24, seed=3):
@@ -235,15 +222,8 @@ def _hf_losses(tmp_path, dtype, compile_, steps=4):
 
     args = TrainingArguments(
         output_dir=str(tmp_path / f"hf-{dtype}-{compile_}"),
-        use_cpu=True,
-        per_device_train_batch_size=4,
         max_steps=steps,
-        learning_rate=1e-3,
-        logging_steps=1,
-        report_to="none",
-        save_strategy="no",
-        seed=0,
-        data_seed=0,
+        **HF_CPU_STEPS,
         **_compile_args(compile_),
     )
     cls = _Recorder.wrap(Trainer)
@@ -282,18 +262,11 @@ def _trl_losses(tmp_path, dtype, compile_, steps=4, fused=False):
 
     args = SFTConfig(
         output_dir=str(tmp_path / f"trl-{dtype}-{compile_}-{fused}"),
-        use_cpu=True,
         bf16=False,
         padding_free=True,
         max_length=None,
-        per_device_train_batch_size=4,
         max_steps=steps,
-        learning_rate=1e-3,
-        logging_steps=1,
-        report_to="none",
-        save_strategy="no",
-        seed=0,
-        data_seed=0,
+        **HF_CPU_STEPS,
         **_compile_args(compile_),
     )
     if fused:
