@@ -12,9 +12,13 @@ at all.
 
 transformers offers no seam for a whole linear-attention layer (its ``use_kernelized_func`` hooks
 replace single functions through the ``kernels`` hub and get no offsets for the convolution), so
-``install_linear_attention(model)`` swaps the ``forward`` of each gated DeltaNet *instance* (never
-the class, never transformers' files; ``uninstall_linear_attention`` restores it), as
-``kernelize`` does for its layers. The new forward runs the layer's own forward once per document
+``install_linear_attention(model)`` gives each gated DeltaNet *instance* a subclass of its own class
+whose ``forward`` is the packed one (transformers' class and files stay untouched;
+``uninstall_linear_attention`` gives the instance its class back), as FSDP2 does for the modules
+it shards. Not an instance ``forward`` attribute: transformers >= 5.25 loads models kernelized by
+default and re-kernelizes on every ``train()`` / ``eval()`` switch, and the ``kernels`` library
+then drops each instance ``forward`` of a layer that uses kernel functions (these layers do). The
+packed forward runs the layer's own forward once per document
 of the packed row (cache off, no padding mask), which is each document alone by construction, on
 any device and with or without flash-linear-attention (used per document where transformers finds
 it). Unpacked and padded batches, and decoding, go to the layer's own forward unchanged.
@@ -25,6 +29,7 @@ Shapes: hidden_states (1, T, hidden) for a packed row (T tokens, documents at cu
 
 from __future__ import annotations
 
+import functools
 import re
 import weakref
 
@@ -33,10 +38,11 @@ from torch import nn
 
 from ..ops.common import TensorCache
 
-_ORIGINAL = "_hf_varlen_linear_attention_forward"  # instance attribute: the swapped-out forward
+_BASE = "_hf_varlen_linear_attention_base"  # class attribute of our subclasses: the layer's class
 # id(config) -> weakref(config), for the configs of models whose layers are installed (configs
 # are unhashable dataclasses)
 _INSTALLED: dict[int, weakref.ref] = {}
+_PACKED_CLASSES: dict[type, type] = {}  # a gated DeltaNet class -> its packed subclass
 _BOUNDS = TensorCache(size=4)
 _OFFSET_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 
@@ -88,6 +94,21 @@ def _configs(model: nn.Module) -> list:
     return out
 
 
+def _packed_class(cls: type) -> type:
+    """The subclass of ``cls`` with the packed forward (same name, so that logs, reprs and
+    ``is_linear_attention_layer`` read as before)."""
+    sub = _PACKED_CLASSES.get(cls)
+    if sub is None:
+        attrs = {"forward": _packed_forward, _BASE: cls, "__qualname__": cls.__qualname__}
+        sub = _PACKED_CLASSES[cls] = type(cls.__name__, (cls,), attrs)
+    return sub
+
+
+def is_packed_layer(module: nn.Module) -> bool:
+    """Whether ``module`` is a gated DeltaNet layer installed by ``install_linear_attention``."""
+    return hasattr(type(module), _BASE)
+
+
 def install_linear_attention(model: nn.Module) -> int:
     """Make every gated DeltaNet layer of ``model`` restart at document boundaries; returns how
     many layers were changed (0 for a model without any). Idempotent."""
@@ -95,9 +116,8 @@ def install_linear_attention(model: nn.Module) -> int:
     for module in model.modules():
         if not is_linear_attention_layer(module):
             continue
-        if _ORIGINAL not in module.__dict__:
-            module.__dict__[_ORIGINAL] = module.__dict__.get("forward")
-            module.forward = _packed_forward.__get__(module)
+        if not is_packed_layer(module):
+            module.__class__ = _packed_class(type(module))
         n += 1
     if n:
         for cfg in _configs(model):
@@ -109,12 +129,8 @@ def uninstall_linear_attention(model: nn.Module) -> int:
     """Undo ``install_linear_attention``; returns how many layers were restored."""
     n = 0
     for module in model.modules():
-        if _ORIGINAL in module.__dict__:
-            previous = module.__dict__.pop(_ORIGINAL)
-            if previous is None:
-                del module.forward
-            else:
-                module.forward = previous
+        if _BASE in vars(type(module)):  # ours, not a subclass made later (e.g. by FSDP2)
+            module.__class__ = getattr(type(module), _BASE)
             n += 1
     for cfg in _configs(model):
         if is_installed(cfg):
@@ -135,10 +151,7 @@ def _document_bounds(cu: torch.Tensor) -> list[tuple[int, int]]:
 
 
 def _packed_forward(self, hidden_states, cache=None, attention_mask=None, **kwargs):
-    saved = self.__dict__.get(_ORIGINAL)  # an instance forward set before ours (e.g. a hook)
-
-    def original(*args, **kw):
-        return saved(*args, **kw) if saved is not None else type(self).forward(self, *args, **kw)
+    original = functools.partial(getattr(type(self), _BASE).forward, self)  # the layer's own
 
     cu = kwargs.get("cu_seq_lens_q")
     if cu is None:
