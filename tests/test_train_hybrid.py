@@ -3,7 +3,7 @@
 The CLI's model check (``training.model.check_attention``) and the library's ``check_model`` share
 one rule, ``integrations.transformers.varlen_refusal``: a tiny model of each kind (a hybrid with
 gated DeltaNet layers, stablelm with its stale class flag, a plain llama; refused: lightning
-attention, RG-LRU, a legacy attention class, ALiBi) is accepted by both or refused by both with
+attention, RG-LRU, a legacy attention class, ALiBi, ZAYA's q/k convolution) is accepted by both or refused by both with
 the same reason. A tiny hybrid (qwen3_5-shaped: one linear-attention and one full-attention layer)
 trains packed through the CLI with its linear-attention layers installed; a refused model is a
 one-line usage error (exit 2). CPU, tiny configs.
@@ -32,6 +32,7 @@ REFUSED = {
     "recurrent_gemma": "carry a state along the row (recurrent)",  # RG-LRU
     "bloom": "does not dispatch attention through transformers' AttentionInterface",
     "falcon": "config.alibi=True",
+    "zaya": "(a causal convolution, model.layers.0.self_attn.qkv_proj.conv_qk_depthwise)",
 }
 
 

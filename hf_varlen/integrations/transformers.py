@@ -19,6 +19,7 @@ Attention sinks (``s_aux``, gpt-oss / granite_swa) go to ``varlen_attention(sink
 from __future__ import annotations
 
 import inspect
+import re
 import sys
 import threading
 import weakref
@@ -216,7 +217,37 @@ def varlen_refusal(model: torch.nn.Module) -> str | None:
     restartable = any(is_linear_attention_layer(m) for m in model.modules())
     if [k for k in kinds if not (restartable and k == "linear_attention")]:
         return _stateful_refusal(config, kinds)
+    if not kinds:
+        conv = next((n for n, m in model.named_modules() if _decoder_convolution(n, m)), None)
+        if conv is not None:
+            return _stateful_refusal(config, [f"a causal convolution, {conv}"])
     return None
+
+
+def _row_convolution(module: torch.nn.Module) -> bool:
+    """A 1-D convolution wider than one token (along the row, in a decoder: ZAYA's CCA q/k
+    convolution, Mamba's and linear attention's short convolutions)."""
+    return isinstance(module, torch.nn.Conv1d) and module.kernel_size[0] > 1
+
+
+def _decoder_convolution(name: str, module: torch.nn.Module) -> bool:
+    """A row convolution inside a decoder layer (``...layers.<i>....``), not in an audio or vision
+    encoder, whose convolutions run over their own inputs before any token is packed."""
+    return (
+        _row_convolution(module)
+        and re.search(r"(^|\.)layers\.\d+\.", name) is not None
+        and re.search(r"audio|vision|visual|encoder", name) is None
+    )
+
+
+_CONVOLVES: dict[type, bool] = {}  # attention class -> whether it holds a row convolution
+
+
+def _convolves(module: torch.nn.Module) -> bool:
+    cls = type(module)
+    if cls not in _CONVOLVES:
+        _CONVOLVES[cls] = any(_row_convolution(m) for m in module.modules())
+    return _CONVOLVES[cls]
 
 
 def check_model(model: torch.nn.Module) -> None:
@@ -373,6 +404,10 @@ def _check_packed_row(module, kwargs) -> None:
     restarted = ("linear_attention",) if is_linear_attention_installed(config) else ()
     if [k for k in kinds if k not in restarted]:
         raise ValueError(_stateful_refusal(config, kinds))
+    if not kinds and _convolves(module):
+        raise ValueError(
+            _stateful_refusal(config, [f"a causal convolution in {type(module).__name__}"])
+        )
     if kinds and kwargs.get("cu_seq_lens_q") is None:
         raise ValueError(
             f"{_model_name(config)}: this batch packs several documents into one row by "
