@@ -19,6 +19,7 @@ Attention sinks (``s_aux``, gpt-oss / granite_swa) go to ``varlen_attention(sink
 from __future__ import annotations
 
 import inspect
+import re
 import sys
 import threading
 import weakref
@@ -35,7 +36,7 @@ from ..metadata import (
     from_rows,
 )
 from .linear_attention import is_installed as is_linear_attention_installed
-from .linear_attention import stateful_layer_kinds
+from .linear_attention import is_linear_attention_layer, stateful_layer_kinds
 
 DEFAULT_NAME = "varlen_packed"
 
@@ -94,6 +95,13 @@ def _dispatches_through_interface(model_cls: type) -> bool:
     )
 
 
+def dispatches_attention(model_cls: type) -> bool:
+    """Whether ``model_cls`` calls its attention through transformers' AttentionInterface (its
+    class flag, or a stale flag over a modeling file that dispatches anyway), so that any
+    registered ``attn_implementation`` name takes effect."""
+    return model_cls.is_backend_compatible() or _dispatches_through_interface(model_cls)
+
+
 def _unsupported_reason(model_cls: type) -> str | None:
     """Why a model class cannot run under varlen_packed, or None. Class flags (and whether its
     modeling file dispatches through the attention interface) only."""
@@ -106,9 +114,9 @@ def _unsupported_reason(model_cls: type) -> str | None:
             "decoders of encoder-decoder families), so the positions of a packed row cannot "
             "restart at each document"
         )
-    if not model_cls.is_backend_compatible() and not stale_flag:
+    if not dispatches_attention(model_cls):
         return (
-            f"{name} does not dispatch its attention through transformers' AttentionInterface "
+            f"{name} does not dispatch attention through transformers' AttentionInterface "
             "(legacy attention classes, _supports_attention_backend = False), so varlen_packed "
             "would never run and its own attention would get no mask"
         )
@@ -157,32 +165,102 @@ def _config_reason(config) -> str | None:
     return None
 
 
-def _check_config_fields(config) -> None:
+def _config_fields_refusal(config) -> str | None:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     reason = _config_reason(config) or (_config_reason(text) if text is not config else None)
+    if reason is None:
+        return None
+    return (
+        f"attn_implementation='varlen_packed' cannot serve {_model_name(config)}: {reason}. "
+        "Load it with attn_implementation='sdpa' or 'eager'"
+    )
+
+
+def _check_config_fields(config) -> None:
+    refusal = _config_fields_refusal(config)
+    if refusal is not None:
+        raise ValueError(refusal)
+
+
+def _stateful_refusal(config, kinds: list[str]) -> str:
+    return (
+        f"{_model_name(config)} has layers that carry a state along the row ({', '.join(kinds)}"
+        "), which would flow from one packed document into the next. "
+        "hf_varlen.install_linear_attention(model) makes gated DeltaNet layers (Qwen3-Next, "
+        "Qwen3.5, OLMo-hybrid) restart at every document boundary; other such layers (Mamba, "
+        "lightning attention, RG-LRU, short convolutions) cannot be packed yet: train this "
+        "model on padded, unpacked batches"
+    )
+
+
+def varlen_refusal(model: torch.nn.Module) -> str | None:
+    """Why attn_implementation='varlen_packed' cannot serve ``model``, as one line naming the
+    model, the reason and the alternative; None when it can. The one rule behind ``check_model``
+    and ``hf-varlen train``'s model check:
+
+    - config fields that need a 4-D mask (ALiBi, a PrefixLM prefix);
+    - class flags, read with whether the modeling file dispatches through the interface anyway;
+    - layers that carry a state along the row, except gated DeltaNet layers, which
+      ``install_linear_attention`` restarts at every document boundary (accepted here whether or
+      not installed yet: the first packed forward refuses them until they are).
+    """
+    config = getattr(model, "config", None)
+    if config is not None and (refusal := _config_fields_refusal(config)) is not None:
+        return refusal
+    reason = _unsupported_reason(type(model))
     if reason is not None:
-        raise ValueError(
+        return (
             f"attn_implementation='varlen_packed' cannot serve {_model_name(config)}: {reason}. "
             "Load it with attn_implementation='sdpa' or 'eager'"
         )
+    kinds = stateful_layer_kinds(config) if config is not None else []
+    restartable = any(is_linear_attention_layer(m) for m in model.modules())
+    if [k for k in kinds if not (restartable and k == "linear_attention")]:
+        return _stateful_refusal(config, kinds)
+    if not kinds:
+        conv = next((n for n, m in model.named_modules() if _decoder_convolution(n, m)), None)
+        if conv is not None:
+            return _stateful_refusal(config, [f"a causal convolution, {conv}"])
+    return None
+
+
+def _row_convolution(module: torch.nn.Module) -> bool:
+    """A 1-D convolution wider than one token (along the row, in a decoder: ZAYA's CCA q/k
+    convolution, Mamba's and linear attention's short convolutions)."""
+    return isinstance(module, torch.nn.Conv1d) and module.kernel_size[0] > 1
+
+
+def _decoder_convolution(name: str, module: torch.nn.Module) -> bool:
+    """A row convolution inside a decoder layer (``...layers.<i>....``), not in an audio or vision
+    encoder, whose convolutions run over their own inputs before any token is packed."""
+    return (
+        _row_convolution(module)
+        and re.search(r"(^|\.)layers\.\d+\.", name) is not None
+        and re.search(r"audio|vision|visual|encoder", name) is None
+    )
+
+
+_CONVOLVES: dict[type, bool] = {}  # attention class -> whether it holds a row convolution
+
+
+def _convolves(module: torch.nn.Module) -> bool:
+    cls = type(module)
+    if cls not in _CONVOLVES:
+        _CONVOLVES[cls] = any(_row_convolution(m) for m in module.modules())
+    return _CONVOLVES[cls]
 
 
 def check_model(model: torch.nn.Module) -> None:
-    """Raise now, naming the model, if it cannot run under varlen_packed (no forward needed).
+    """Raise now, naming the model, if it cannot run under varlen_packed (no forward needed;
+    the rule: ``varlen_refusal``).
 
-    The same class checks run by themselves at the first forward (from the mask function); this
-    also covers models that never build a mask through transformers' masking utilities.
+    The class checks run by themselves at the first forward (from the mask function); this also
+    covers models that never build a mask through transformers' masking utilities, and refuses
+    layers carrying a state along the row that no installer restarts.
     """
-    config = getattr(model, "config", None)
-    if config is not None:
-        _check_config_fields(config)
-    reason = _unsupported_reason(type(model))
-    if reason is not None:
-        raise ValueError(
-            f"attn_implementation='varlen_packed' cannot serve "
-            f"{_model_name(getattr(model, 'config', None))}: {reason}. Load it with "
-            "attn_implementation='sdpa' or 'eager'"
-        )
+    refusal = varlen_refusal(model)
+    if refusal is not None:
+        raise ValueError(refusal)
 
 
 class _LastMaskCall(threading.local):
@@ -322,14 +400,13 @@ def _check_packed_row(module, kwargs) -> None:
     if config is None:
         return
     kinds = stateful_layer_kinds(config)
-    if kinds and not is_linear_attention_installed(config):
+    # installed gated DeltaNet layers restart; any other state-carrying kind still crosses over
+    restarted = ("linear_attention",) if is_linear_attention_installed(config) else ()
+    if [k for k in kinds if k not in restarted]:
+        raise ValueError(_stateful_refusal(config, kinds))
+    if not kinds and _convolves(module):
         raise ValueError(
-            f"{_model_name(config)} has layers that carry a state along the row ({', '.join(kinds)}"
-            "), which would flow from one packed document into the next. "
-            "hf_varlen.install_linear_attention(model) makes gated DeltaNet layers (Qwen3-Next, "
-            "Qwen3.5, OLMo-hybrid) restart at every document boundary; other such layers (Mamba, "
-            "lightning attention, RG-LRU, short convolutions) cannot be packed yet: train this "
-            "model on padded, unpacked batches"
+            _stateful_refusal(config, [f"a causal convolution in {type(module).__name__}"])
         )
     if kinds and kwargs.get("cu_seq_lens_q") is None:
         raise ValueError(
