@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hf_varlen.ops import glu
+from hf_varlen.ops.glu import function as glu
 from hf_varlen.ops.glu import geglu, swiglu
 from hf_varlen.reference.glu import geglu_reference, swiglu_reference
 from hf_varlen.testing import assert_numerics

@@ -21,9 +21,9 @@ backward; the atomics make the summation order of dQ vary between runs. With ``K
 each step's dQ block goes into the buffer as one bulk TMA reduction (FA3's scheme) instead of
 per-element atomics.
 
-Both are launched over heaviest-first tile orders (attention_schedule.py). With
+Both are launched over heaviest-first tile orders (schedule.py). With
 ``KernelConfig.tma`` the blocks each inner loop streams (K/V in dQ, Q/dO in dK/dV) come through
-tensor descriptors where the layout allows (attention_tma.py).
+tensor descriptors where the layout allows (tma.py).
 Shapes: q/do/o/dq (T_q, H_q, D), dq_acc (T_q, H_q, D) fp32, k/v/dk/dv (T_k, H_kv, D),
 lse/delta (H_q, T_q) fp32, lo/hi (T_q,) and qlo/qhi (T_k,) int32.
 """
@@ -34,8 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_common import INTERPRET
-from .attention_fwd import (
+from .._triton_common import INTERPRET
+from .fwd import (
     _desc_rows,
     _dot,
     _keys_t,
@@ -48,8 +48,8 @@ from .attention_fwd import (
     needs_long_indexing,
     score_constants,
 )
-from .attention_schedule import launch_passes
-from .attention_tma import stream_descriptors
+from .schedule import launch_passes
+from .tma import stream_descriptors
 
 _INTERPRETED = tl.constexpr(INTERPRET)  # the interpreter has no descriptor reductions
 
@@ -437,7 +437,7 @@ def backward_dq(
     bound: tuple[torch.Tensor, int] | None = None, tma: bool = False,
 ) -> None:  # fmt: skip
     """Launch the dQ kernel; writes dq and delta (H_q, T_q) in place (the rows of this launch's
-    tiles). ``bound``, ``tma`` (K/V through descriptors): see attention_fwd.attention_forward."""
+    tiles). ``bound``, ``tma`` (K/V through descriptors): see fwd.attention_forward."""
     scale_a, scale_b = score_constants(softmax_scale, softcap)
     n_head_blocks = q.shape[1] // fold
     n_work, grid = launch_grid(order, n_head_blocks, bound)
@@ -475,7 +475,7 @@ def backward_dkdv(
     place. With ``dq_acc`` ((T_q, H_q, D) fp32, zeroed) it also adds every tile's scale * dS K
     into it with atomics (the fused backward: no dQ kernel, not bitwise repeatable). ``tma``:
     Q/dO through descriptors of (block_m / fold tokens, fold heads) blocks where the layout allows
-    (attention_tma.py; never with padding rows, whose fold is not a power of two), and the fused
+    (tma.py; never with padding rows, whose fold is not a power of two), and the fused
     dQ added as one bulk reduction per block instead of per-element atomics (on the GPU: the
     interpreter has no descriptor reductions)."""
     scale_a, scale_b = score_constants(softmax_scale, softcap)
@@ -529,7 +529,7 @@ def attention_backward(
     atomics: 5 matmuls per visible block instead of 7 (the split dQ kernel recomputes S and dP),
     at the price of an fp32 (T_q, H_q, D) buffer and a summation order that varies from run to run.
     ``deterministic`` is the caller's request for a bitwise-repeatable backward: it always gets
-    the split one. ``long`` (attention_schedule.LongPath): each kernel runs twice, short-config
+    the split one. ``long`` (schedule.LongPath): each kernel runs twice, short-config
     tiles then the long-document tiles (each row still written by one program).
     """
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)

@@ -2,7 +2,7 @@
 
 One program = one tile: ``TILE = BLOCK_M // FOLD`` consecutive query tokens of the packed stream x
 ``FOLD`` query heads that share one KV head (GQA folding: K/V are loaded once for all of them). The
-tile walks the keys [min lo, max hi] of its rows (attention_schedule.py) in steps of BLOCK_N:
+tile walks the keys [min lo, max hi] of its rows (schedule.py) in steps of BLOCK_N:
 
     s = (q . k) * scale                         (softcap: s = softcap * tanh(s / softcap))
     s = -inf where not (lo[row] <= key <= hi[row])   (block-diagonal x causal x window mask)
@@ -15,7 +15,7 @@ document (docs/attention-numerics.md): masked blocks zero non-finite V rows (p i
 document's keys, but 0 * NaN is not) and make NaN the rows that see one; a row that sees keys
 but ends with no positive weight (NaN, or only -inf scores) is NaN in o and lse. With
 ``KernelConfig.tma`` the K/V blocks come through tensor descriptors where the layout allows
-(attention_tma.py).
+(tma.py).
 
 Shapes: q (T_q, H_q, D), k/v (T_k, H_kv, D), o (T_q, H_q, D), lse (H_q, T_q) fp32,
 lo/hi (T_q,) int32, order (n_tiles + 1,) int32 (heaviest first, then one never-launched entry);
@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_tma import stream_descriptors
+from .tma import stream_descriptors
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -67,7 +67,7 @@ def _load(ptrs, row_ok, d_ok, MASK_ROWS: tl.constexpr, EVEN_D: tl.constexpr):
 @triton.jit
 def _desc_rows(desc, tok, head, ROWS: tl.constexpr, HEADS: tl.constexpr, BLOCK_D: tl.constexpr):
     """The (ROWS x HEADS, D) block of a tensor descriptor at token ``tok``, head ``head``
-    (attention_tma.py): rows token-major, heads minor, as the folded tiles order them."""
+    (tma.py): rows token-major, heads minor, as the folded tiles order them."""
     return desc.load([tok, head, 0]).reshape([ROWS * HEADS, BLOCK_D])
 
 
@@ -274,7 +274,7 @@ def _attn_fwd_kernel(
 def launcher(kernel, traceable: bool):
     """``kernel`` itself, or its ``wrap_triton`` wrapper when ``traceable``. An interpreted kernel
     (TRITON_INTERPRET=1) is never wrapped: torch cannot trace it (its op is opaque, see
-    attention_ops.py)."""
+    torch_library.py)."""
     if not traceable or not isinstance(kernel, triton.runtime.jit.JITFunction):
         return kernel
     return torch.library.wrap_triton(kernel)
@@ -335,7 +335,7 @@ def attention_forward(
     ``out``: (o, lse) to write into (the rows of this launch's tiles) instead of new tensors.
     ``bound``: (n_tiles (1,) int32 on the device, programs): only the first n_tiles entries of
     ``order`` are work (the long-document launch, ``launch_grid``).
-    ``tma``: stream K/V through tensor descriptors where the layout allows (attention_tma.py)."""
+    ``tma``: stream K/V through tensor descriptors where the layout allows (tma.py)."""
     t_q, h_q, dim = q.shape
     t_k, h_kv = k.shape[0], k.shape[1]
     if out is None:

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .common import TensorCache, clamp_offsets
+from ..common import TensorCache, clamp_offsets
 
 EMPTY_LO = 2**31 - 1  # lower bound of a row that sees nothing (hi = -1)
 
@@ -73,7 +73,7 @@ class KernelConfig:
     kv_stages: int
     kv_min_tokens: int
     # The fused (FA2-style, atomic dQ) backward instead of the split dQ + dK/dV kernels, where the
-    # caller did not ask for a deterministic backward (attention_bwd.attention_backward). Off by
+    # caller did not ask for a deterministic backward (bwd.attention_backward). Off by
     # default until the H200 shows where it wins; a tuning override may set it (16th entry).
     bwd_fused: bool = False
     # Pipeline stages of the dK/dV kernel where no query heads fold into its steps (fold 1: MHA,
@@ -82,7 +82,7 @@ class KernelConfig:
     # 32/8/128's fold-4 dK/dV 12-19% faster, 40/8/128's fold-1 one 9-22% slower f+b).
     kv_stages_unfolded: int = 0
     # Stream the inner loops' blocks (K/V of the forward and dQ steps, Q/dO of the dK/dV steps)
-    # through Hopper tensor descriptors (TMA) where the layout allows (attention_tma.py): the copy
+    # through Hopper tensor descriptors (TMA) where the layout allows (tma.py): the copy
     # engine computes the addresses, so the registers they took are free for the accumulators.
     # Off in the shipped configs: slower or even on the H200 (docs/BENCHMARKS.md run Q); a
     # tuning override may set it (18th entry).
@@ -295,7 +295,7 @@ def launch_passes(plan, kernel: str, cfg: KernelConfig, long: LongPath | None, g
     """The launches of one kernel over a plan: [(order, config, fold, bound)], the short config's
     over every tile (bound None), or, with a long path, the short config's over the short tiles
     and the long config's over the long ones (``split_orders``), bound = (n_long, persistent
-    programs or 0: attention_fwd.launch_grid)."""
+    programs or 0: fwd.launch_grid)."""
     fold, tile = kernel_tiling(cfg, kernel, group)
     side = "k" if kernel == "kv" else "q"
     if long is None:

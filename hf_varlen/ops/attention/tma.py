@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from ._triton_common import INTERPRET
+from .._triton_common import INTERPRET
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor

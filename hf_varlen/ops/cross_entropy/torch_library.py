@@ -2,21 +2,21 @@
 sees): an opaque ``custom_op`` with a fake implementation and autograd through
 ``register_autograd``. ``cross_entropy.fused_linear_cross_entropy`` calls it only while
 torch.compile traces (``fused_linear_ce_traced``); eager calls keep the autograd.Function, which
-runs the same chunk loop (``cross_entropy_chunks.py``).
+runs the same chunk loop (``chunks.py``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .cross_entropy_chunks import (
+from ..library import qualname
+from .chunks import (
     LossConfig,
     at_least_one,
     kept_rows,
     linear_ce_chunks,
     scatter_rows,
 )
-from .library import qualname
 
 # ----------------------------------------------------------------------------------------------
 # Registered op (what torch.compile sees): opaque custom_op, gradients as outputs

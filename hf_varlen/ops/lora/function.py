@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from .library import compiling, qualname
+from ..library import compiling, qualname
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 

@@ -35,11 +35,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_common import INTERPRET as _INTERPRET
-from ._triton_common import as_rows as _rows
-from ._triton_common import kernel_op, launcher, round_to
-from ._triton_common import rows_need_int64 as _needs_long_indexing
-from .library import compiling
+from .._triton_common import INTERPRET as _INTERPRET
+from .._triton_common import as_rows as _rows
+from .._triton_common import kernel_op, launcher, round_to
+from .._triton_common import rows_need_int64 as _needs_long_indexing
+from ..library import compiling
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_HIDDEN = 65536  # one row lives in registers

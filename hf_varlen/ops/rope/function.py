@@ -61,11 +61,11 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.graph import increment_version
 
-from ._triton_common import INT32_LIMIT, kernel_op, launcher
-from ._triton_common import INTERPRET as _INTERPRET
-from .common import check_int
-from .library import compiling
-from .rope_kernel import rope_qk_kernel
+from .._triton_common import INT32_LIMIT, kernel_op, launcher
+from .._triton_common import INTERPRET as _INTERPRET
+from ..common import check_int
+from ..library import compiling
+from .kernel import rope_qk_kernel
 
 __all__ = ["apply_rotary_qk", "rotary_pos_emb"]
 
