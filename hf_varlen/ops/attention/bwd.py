@@ -40,9 +40,10 @@ from .fwd import (
     _dot,
     _keys_t,
     _load,
+    _query_rows,
     _scores,
-    _split,
     _tanh,
+    _tile_bounds,
     launch_grid,
     launcher,
     needs_long_indexing,
@@ -97,32 +98,14 @@ def _dq_tile(
     LONG_INDEXING: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
     """One work item: query tile ORDER[work // N_HEAD_BLOCKS] x head block work % N_HEAD_BLOCKS."""
-    EMPTY: tl.constexpr = 2147483647
-    TILE: tl.constexpr = BLOCK_M // FOLD
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
-    tile = tl.load(ORDER + work // N_HEAD_BLOCKS)
-    head_block = work % N_HEAD_BLOCKS
-    r = tl.arange(0, BLOCK_M)
-    tok = tile * TILE + r // FOLD
-    head = head_block * FOLD + r % FOLD
-    kv_head = (head_block * FOLD) // GROUP
-    kv_head_tma = kv_head  # descriptor coordinates are int32
-    row_ok = (r < TILE * FOLD) & (tok < T_q)
-    if LONG_INDEXING:
-        tok = tok.to(tl.int64)
-        head = head.to(tl.int64)
-        kv_head = kv_head.to(tl.int64)
+    tok, head, kv_head, kv_head_tma, row_ok = _query_rows(
+        work, ORDER, T_q, N_HEAD_BLOCKS, GROUP, FOLD, BLOCK_M, LONG_INDEXING
+    )
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     io_mask = row_ok[:, None] & d_ok[None, :]
-
-    lo = tl.load(LO + tok, mask=row_ok, other=EMPTY)
-    hi = tl.load(HI + tok, mask=row_ok, other=-1)
-    span_lo = tl.min(lo, 0)
-    span_hi = tl.max(hi, 0)
-    full_lo = tl.max(tl.where(row_ok, lo, -1), 0)
-    full_hi = tl.min(tl.where(row_ok, hi, EMPTY), 0)
-    n_head, n_mid, n_all = _split(span_lo, span_hi, full_lo, full_hi, BLOCK_N)
+    lo, hi, span_lo, span_hi, n_head, n_mid, n_all = _tile_bounds(LO, HI, tok, row_ok, BLOCK_N)
 
     q = tl.load(
         Q + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
@@ -284,7 +267,6 @@ def _dkdv_tile(
     LONG_INDEXING: tl.constexpr, ATOMIC_DQ: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
     """One work item: key tile ORDER[work // H_KV] x KV head work % H_KV."""
-    EMPTY: tl.constexpr = 2147483647
     TILE: tl.constexpr = BLOCK_M // FOLD  # query tokens per inner step
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     PAD_ROWS: tl.constexpr = TILE * FOLD != BLOCK_M  # rows past TILE * FOLD are padding
@@ -300,14 +282,8 @@ def _dkdv_tile(
     d_ok = d < HEAD_DIM
     kv_mask = col_ok[:, None] & d_ok[None, :]
 
-    qlo = tl.load(QLO + cols, mask=col_ok, other=EMPTY)
-    qhi = tl.load(QHI + cols, mask=col_ok, other=-1)
-    span_lo = tl.min(qlo, 0)
-    span_hi = tl.max(qhi, 0)
-    # query rows every real key of the tile is seen by; key rows past T are never stored
-    full_lo = tl.max(tl.where(col_ok, qlo, -1), 0)
-    full_hi = tl.min(tl.where(col_ok, qhi, EMPTY), 0)
-    n_head, n_mid, n_all = _split(span_lo, span_hi, full_lo, full_hi, TILE)
+    # the query rows that see the tile's keys (the plan's bounds transposed), in steps of TILE
+    qlo, qhi, span_lo, span_hi, n_head, n_mid, n_all = _tile_bounds(QLO, QHI, cols, col_ok, TILE)
 
     k = tl.load(
         K + cols[:, None] * stride_kt + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0

@@ -97,6 +97,48 @@ def _split(span_lo, span_hi, full_lo, full_hi, STEP: tl.constexpr):
 
 
 @triton.jit
+def _query_rows(
+    work, ORDER, T_q, N_HEAD_BLOCKS, GROUP: tl.constexpr, FOLD: tl.constexpr,
+    BLOCK_M: tl.constexpr, LONG_INDEXING: tl.constexpr,
+):  # fmt: skip
+    """The BLOCK_M rows of query work item ``work`` (tile ORDER[work // N_HEAD_BLOCKS] x head block
+    work % N_HEAD_BLOCKS): FOLD query heads of one KV group per token, row r = token r // FOLD,
+    head r % FOLD. Returns (tok, head, kv_head, kv_head_tma, row_ok); tok / head / kv_head are
+    int64 with LONG_INDEXING, kv_head_tma stays int32 (descriptor coordinates are int32)."""
+    TILE: tl.constexpr = BLOCK_M // FOLD
+    tile = tl.load(ORDER + work // N_HEAD_BLOCKS)
+    head_block = work % N_HEAD_BLOCKS
+    r = tl.arange(0, BLOCK_M)
+    tok = tile * TILE + r // FOLD
+    head = head_block * FOLD + r % FOLD
+    kv_head = (head_block * FOLD) // GROUP
+    kv_head_tma = kv_head
+    row_ok = (r < TILE * FOLD) & (tok < T_q)
+    if LONG_INDEXING:
+        tok = tok.to(tl.int64)
+        head = head.to(tl.int64)
+        kv_head = kv_head.to(tl.int64)
+    return tok, head, kv_head, kv_head_tma, row_ok
+
+
+@triton.jit
+def _tile_bounds(LO, HI, rows, row_ok, STEP: tl.constexpr):
+    """What a tile's rows see: per row [lo, hi] (from the plan's LO / HI; rows past T get the
+    empty interval), the tile's span [span_lo, span_hi], and its steps of STEP split by ``_split``
+    against the interval that every real row sees (rows past T compute garbage, never stored).
+    Returns (lo, hi, span_lo, span_hi, n_head, n_mid, n_all)."""
+    EMPTY: tl.constexpr = 2147483647
+    lo = tl.load(LO + rows, mask=row_ok, other=EMPTY)
+    hi = tl.load(HI + rows, mask=row_ok, other=-1)
+    span_lo = tl.min(lo, 0)
+    span_hi = tl.max(hi, 0)
+    full_lo = tl.max(tl.where(row_ok, lo, -1), 0)
+    full_hi = tl.min(tl.where(row_ok, hi, EMPTY), 0)
+    n_head, n_mid, n_all = _split(span_lo, span_hi, full_lo, full_hi, STEP)
+    return lo, hi, span_lo, span_hi, n_head, n_mid, n_all
+
+
+@triton.jit
 def _fwd_step(
     acc, m_i, l_i, q, k_base, v_base, start, span_hi, lo, hi, d, d_ok, stride_kt, stride_vt,
     scale_a, scale_b, K_DESC, V_DESC, kv_head_tma, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -153,32 +195,13 @@ def _fwd_tile(
     LONG_INDEXING: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
     """One work item: tile ORDER[work // N_HEAD_BLOCKS] x head block work % N_HEAD_BLOCKS."""
-    EMPTY: tl.constexpr = 2147483647
-    TILE: tl.constexpr = BLOCK_M // FOLD
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
-    tile = tl.load(ORDER + work // N_HEAD_BLOCKS)
-    head_block = work % N_HEAD_BLOCKS
-    r = tl.arange(0, BLOCK_M)
-    tok = tile * TILE + r // FOLD
-    head = head_block * FOLD + r % FOLD
-    kv_head = (head_block * FOLD) // GROUP
-    kv_head_tma = kv_head  # descriptor coordinates are int32
-    row_ok = (r < TILE * FOLD) & (tok < T_q)
-    if LONG_INDEXING:
-        tok = tok.to(tl.int64)
-        head = head.to(tl.int64)
-        kv_head = kv_head.to(tl.int64)
+    tok, head, kv_head, kv_head_tma, row_ok = _query_rows(
+        work, ORDER, T_q, N_HEAD_BLOCKS, GROUP, FOLD, BLOCK_M, LONG_INDEXING
+    )
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-
-    lo = tl.load(LO + tok, mask=row_ok, other=EMPTY)
-    hi = tl.load(HI + tok, mask=row_ok, other=-1)
-    span_lo = tl.min(lo, 0)
-    span_hi = tl.max(hi, 0)
-    # keys every real row sees; rows past T compute garbage that is never stored
-    full_lo = tl.max(tl.where(row_ok, lo, -1), 0)
-    full_hi = tl.min(tl.where(row_ok, hi, EMPTY), 0)
-    n_head, n_mid, n_all = _split(span_lo, span_hi, full_lo, full_hi, BLOCK_N)
+    lo, hi, span_lo, span_hi, n_head, n_mid, n_all = _tile_bounds(LO, HI, tok, row_ok, BLOCK_N)
 
     q = tl.load(
         Q + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
