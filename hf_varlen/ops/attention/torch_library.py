@@ -36,38 +36,20 @@ _TRACEABLE = not INTERPRET  # wrap_triton only for compiled (not interpreted) ke
 
 
 def _forward(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    cu_seqlens_q: Tensor,
-    cu_seqlens_k: Tensor,
-    softmax_scale: float,
-    left: int,
-    right: int,
-    softcap: float,
-    deterministic: bool,
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+    softmax_scale: float, left: int, right: int, softcap: float, deterministic: bool,
     sinks: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor, Tensor]:  # fmt: skip
     plan = get_plan(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], left, right)
     out, lse = forward_launch(q, k, v, plan, softmax_scale, softcap, traceable=_TRACEABLE)
     return (out, lse) if sinks is None else apply_sinks(out, lse, sinks)
 
 
 def _backward(
-    do: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    cu_seqlens_q: Tensor,
-    cu_seqlens_k: Tensor,
-    softmax_scale: float,
-    left: int,
-    right: int,
-    softcap: float,
+    do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor, softmax_scale: float, left: int, right: int, softcap: float,
     deterministic: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     plan = get_plan(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], left, right)
     return backward_launch(
         do, q, k, v, out, lse, plan, softmax_scale, softcap, deterministic, traceable=_TRACEABLE

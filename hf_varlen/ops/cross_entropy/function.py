@@ -112,15 +112,9 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         # "none" has a per-token grad_output, known only in backward: recompute there.
         defer = cfg.reduction == "none" and need_grad
         loss, dh, dw, db = linear_ce_chunks(
-            h,
-            weight,
-            bias,
-            y,
-            cfg,
-            need_dh=need_dh and not defer,
-            need_dw=need_dw and not defer,
+            h, weight, bias, y, cfg, need_dh=need_dh and not defer, need_dw=need_dw and not defer,
             need_db=need_db and not defer,
-        )
+        )  # fmt: skip
         if defer:
             ctx.save_for_backward(h, weight, bias, y)
         elif need_grad:
@@ -194,18 +188,8 @@ def _resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
-def _check_inputs(
-    hidden,
-    weight,
-    labels,
-    bias,
-    reduction,
-    softcap,
-    label_smoothing,
-    z_loss,
-    chunk_size,
-    logit_scale,
-):
+def _check_inputs(hidden, weight, labels, bias, reduction, softcap, label_smoothing, z_loss,
+                  chunk_size, logit_scale):  # fmt: skip
     for name, t in (("hidden", hidden), ("weight", weight), ("labels", labels)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -310,18 +294,8 @@ def fused_linear_cross_entropy(
         dtype = torch.get_autocast_dtype(hidden.device.type)
         hidden, weight = hidden.to(dtype), weight.to(dtype)
         bias = None if bias is None else bias.to(dtype)
-    _check_inputs(
-        hidden,
-        weight,
-        labels,
-        bias,
-        reduction,
-        softcap,
-        label_smoothing,
-        z_loss,
-        chunk_size,
-        logit_scale,
-    )
+    _check_inputs(hidden, weight, labels, bias, reduction, softcap, label_smoothing, z_loss,
+                  chunk_size, logit_scale)  # fmt: skip
     check_int("ignore_index", ignore_index, None)
     if not isinstance(drop_ignored_tokens, bool):
         raise TypeError(f"drop_ignored_tokens: expected True or False, got {drop_ignored_tokens!r}")
