@@ -112,3 +112,38 @@ def test_op_packages_export_what_the_flat_modules_did():
     assert {"ce_rows_torch", "ce_rows_triton", "default_chunk_size"} <= set(cross_entropy.__all__)
     assert glu.glu_forward and glu.glu_backward
     assert rmsnorm.rms_norm_forward and rmsnorm.rms_norm_backward
+
+
+def test_ops_modules_import_without_cycles():
+    """The relative imports inside hf_varlen/ops form no cycle (a cycle hid behind a bottom-of-file
+    import between the attention function and its registered ops)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(ops.__file__).parent
+    graph = {}
+    for path in root.rglob("*.py"):
+        if "_deprecated" in path.parts:  # forwarding modules of old paths, imported on demand
+            continue
+        parts = path.relative_to(root).with_suffix("").parts
+        name = ".".join(p for p in parts if p != "__init__")
+        package = parts[:-1] if parts[-1] != "__init__" else parts[:-1]
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level > 0 and node.module:
+                base = package[: len(package) - (node.level - 1)]
+                deps.add(".".join((*base, *node.module.split("."))))
+        graph[name] = deps
+    state = {}
+
+    def visit(name, stack):
+        assert state.get(name) != "open", f"import cycle: {' -> '.join((*stack, name))}"
+        if state.get(name) is None and name in graph:
+            state[name] = "open"
+            for dep in graph[name]:
+                visit(dep, (*stack, name))
+            state[name] = "done"
+
+    for name in graph:
+        visit(name, ())
+    assert graph["attention.function"] >= {"attention.launch", "attention.torch_library"}

@@ -1,4 +1,4 @@
-"""Triton varlen attention (hf_varlen/ops/attention.py, backend "triton") against the reference.
+"""Triton varlen attention (hf_varlen/ops/attention/, backend "triton") against the reference.
 
 CPU: the kernels run under TRITON_INTERPRET=1 (set by conftest.py) in fp32/fp16 with small shapes
 (the interpreter's bf16 tl.dot is broken). GPU (marked): bf16 numerics through the public

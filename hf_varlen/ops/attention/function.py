@@ -22,10 +22,9 @@ one reduction (``sinks_grad``).
 Backward: by default a dQ kernel and a dK/dV kernel, no atomics, so bitwise deterministic and
 ``deterministic=True`` (or FLASH_ATTENTION_DETERMINISTIC=1, or torch's deterministic algorithms)
 costs nothing. A config with ``bwd_fused`` (schedule.KernelConfig; off in the shipped
-configs: slower on the H200, docs/BENCHMARKS.md runs E, F and Q) takes the FA2-style fused
-backward instead (atomic dQ, 5 matmuls per block instead of 7), except where a deterministic
-backward is requested. Dropout is not implemented
-(dropout_p > 0 raises).
+configs: slower on the H200 in every tuning sweep so far) takes the FA2-style fused backward
+instead (atomic dQ, 5 matmuls per block instead of 7), except where a deterministic backward is
+requested. Dropout is not implemented (dropout_p > 0 raises).
 
 Under torch.compile the call goes through the registered ops ``torch.ops.hf_varlen.triton_attention``
 / ``triton_attention_backward`` (torch_library.py: ``triton_op`` + ``wrap_triton``, so Inductor sees
