@@ -12,7 +12,8 @@ One package per op (``attention/``, ``cross_entropy/``, ``glu/``, ``lora/``, ``r
 ``rope/``): its public function exported by its ``__init__``, the implementation in ``function.py``
 (validation, autograd.Function, launch), Triton kernels and ``torch.library`` registration beside
 it. Shared by all: ``common.py`` (host-side helpers, torch only), ``library.py`` (the op
-namespace), ``_triton_common.py`` (Triton helpers), ``_lazy.py`` (lazy exports).
+namespace, the autograd return shared by ops), ``_triton_common.py`` (Triton helpers),
+``_lazy.py`` (lazy exports).
 
 The names resolve lazily (PEP 562), so ``import hf_varlen.ops`` and the torch-only
 ``hf_varlen.ops.common`` work where triton is not installed; the op modules import triton.
