@@ -75,11 +75,11 @@ def document_block_mask(cu_q, cu_k, total_q, total_k, *, causal, window_size):
 def _non_finite_rows(q, k, v, metadata, params) -> torch.Tensor:
     """(T_q, H_q) bool: query rows that are non-finite or see a non-finite key/value row.
 
-    Each row sees one contiguous key interval [lo, hi] (attention_schedule.row_bounds, the
+    Each row sees one contiguous key interval [lo, hi] (ops/attention/schedule.py: row_bounds, the
     triton plan's rule), so "sees a bad row" is a difference of two prefix counts: O(T * H) work
     on the device, no sync.
     """
-    from ..ops.attention_schedule import row_bounds
+    from ..ops.attention.schedule import row_bounds
 
     group = q.shape[1] // k.shape[1]
     bad_q = ~torch.isfinite(q).all(-1)

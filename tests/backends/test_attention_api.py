@@ -159,15 +159,16 @@ def test_auto_logs_once_and_never_while_compiling(monkeypatch, caplog):
 @pytest.mark.parametrize("env,arg,want", [("", False, False), ("1", False, True), ("", True, True)])
 def test_deterministic_reaches_triton_backward(monkeypatch, env, arg, want):
     from hf_varlen.ops import attention as op
+    from hf_varlen.ops.attention import launch  # where the backward is launched from
 
     seen = []
-    real = op.attention_backward
+    real = launch.attention_backward
 
     def spy(*args, **kwargs):
         seen.append(kwargs["deterministic"])
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(op, "attention_backward", spy)
+    monkeypatch.setattr(launch, "attention_backward", spy)
     monkeypatch.setenv("FLASH_ATTENTION_DETERMINISTIC", env)
     device = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter on CPU
     q, k, v = make_qkv([5, 7], 2, 1, 16, torch.float32, device)
