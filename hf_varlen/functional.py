@@ -22,7 +22,6 @@ from numbers import Integral
 import torch
 
 from .backends import AttentionParams, Request, VarlenMetadata, resolve
-from .backends._common import traced
 from .backends.opaque import call_opaque
 from .ops.common import (
     attention_scale,
@@ -31,6 +30,8 @@ from .ops.common import (
     check_sinks,
     deterministic_requested,
     env_flag,
+    max_length_int,
+    tracing,
 )
 
 
@@ -47,19 +48,6 @@ def _check_cu(name: str, cu, device) -> None:
         )
     if cu.device != device:
         raise ValueError(f"{name} must be on the same device as q ({device}), got {cu.device}")
-
-
-def _check_max(name: str, value) -> int:
-    if isinstance(value, torch.Tensor):
-        raise TypeError(
-            f"{name} must be a Python int, got a tensor; convert it once per batch "
-            f"(int({name}.item())) rather than once per layer"
-        )
-    if isinstance(value, torch.SymInt):  # under torch.compile: kept symbolic (int() specialises)
-        return value
-    if not isinstance(value, Integral) or value < 0:
-        raise TypeError(f"{name} must be a non-negative int, got {value!r}")
-    return int(value)
 
 
 def validate_inputs(
@@ -112,8 +100,8 @@ def validate_inputs(
             f"cu_seqlens_q and cu_seqlens_k must describe the same number of documents, got "
             f"{cu_seqlens_q.numel() - 1} and {cu_seqlens_k.numel() - 1}"
         )
-    max_q = _check_max("max_seqlen_q", max_seqlen_q)
-    max_k = _check_max("max_seqlen_k", max_seqlen_k)
+    max_q = max_length_int("max_seqlen_q", max_seqlen_q)
+    max_k = max_length_int("max_seqlen_k", max_seqlen_k)
     softmax_scale = attention_scale(softmax_scale, q.shape[2])
     softcap = attention_softcap(softcap)
     if (
@@ -180,7 +168,7 @@ def varlen_attention(
         (T_q, H_q, D) attention output; an empty pack (T = 0) gives an empty output, and queries
         that see no key give zeros.
     """
-    symbolic = traced(q)  # compiling, or fake tensors: nothing is read back from the device
+    symbolic = tracing(q)  # compiling, or fake tensors: nothing is read back from the device
     if symbolic:  # the full checks read offsets on the host: eager only
         if validate:
             raise ValueError(

@@ -29,9 +29,8 @@ from __future__ import annotations
 import torch
 
 from . import coverage
-from .backends._common import traced
 from .backends.params import VarlenMetadata
-from .ops.common import TensorCache
+from .ops.common import TensorCache, max_length_int, tracing
 
 __all__ = [
     "VarlenMetadata",
@@ -155,12 +154,17 @@ def from_collator_kwargs(
 
     def build() -> VarlenMetadata:
         flat_q, flat_k = cu_q.reshape(-1), cu_k.reshape(-1)
-        if traced(cu_q):  # no sync: ints as given, a 0-d tensor -> the bound T
+        if tracing(cu_q):  # no sync: ints as given, a 0-d tensor -> the bound T
             return VarlenMetadata(
                 flat_q, flat_k, _max_traced(max_q, total_q), _max_traced(max_k, total_k)
             )
         if total_q is None:
-            return VarlenMetadata(flat_q, flat_k, _to_int(max_q), _to_int(max_k))
+            return VarlenMetadata(
+                flat_q,
+                flat_k,
+                max_length_int("max_length_q", max_q, host_read=True),
+                max_length_int("max_length_k", max_k, host_read=True),
+            )
         if flat_q.is_cuda and torch.cuda.is_current_stream_capturing():
             # no host read inside a capture: checked in the eager warm-up of the same shapes
             if isinstance(max_q, torch.Tensor) or isinstance(max_k, torch.Tensor):
@@ -177,10 +181,6 @@ def from_collator_kwargs(
 
     # keyed on the collator's own tensor objects (a reshape would be a new object per layer)
     return _KWARGS_CACHE.get_or_compute((cu_q, cu_k), build, extra=(total_q, total_k))
-
-
-def _to_int(x) -> int:
-    return int(x.item()) if isinstance(x, torch.Tensor) else int(x)
 
 
 def _max_traced(x, total):
@@ -228,7 +228,7 @@ def from_position_ids(position_ids: torch.Tensor) -> VarlenMetadata:
     ``device_offsets_from_position_ids`` (T + 1
     entries, zero-length documents after the last) and max_seqlen = T, an upper bound; no sync.
     """
-    if traced(position_ids):
+    if tracing(position_ids):
         cu = device_offsets_from_position_ids(position_ids)
         total = position_ids.numel()
         return VarlenMetadata(cu, cu, total, total)

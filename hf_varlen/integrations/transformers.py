@@ -34,6 +34,7 @@ from ..metadata import (
     from_position_ids,
     from_rows,
 )
+from ..ops.common import tracing
 from .linear_attention import is_installed as is_linear_attention_installed
 from .linear_attention import stateful_layer_kinds
 
@@ -373,7 +374,7 @@ def varlen_packed_forward(
         attention_mask is None
         and kwargs.get("position_ids") is None
         and kwargs.get("cu_seq_lens_q") is None
-        and not torch.compiler.is_compiling()
+        and not tracing()
     ):
         _check_positions_reached(module, query, key)
     if (
@@ -389,7 +390,7 @@ def varlen_packed_forward(
     meta = _metadata(query, key, attention_mask, kwargs)
     # is_compiling first: Dynamo would otherwise guard on the number of documents (a recompile
     # per pack size)
-    if not torch.compiler.is_compiling() and bsz == 1 and meta.cu_seqlens_q.shape[0] > 2:
+    if not tracing() and bsz == 1 and meta.cu_seqlens_q.shape[0] > 2:
         _check_packed_row(module, kwargs)
     # (B, H, T, D) -> (B*T, H, D): a view for B == 1 (packed batches), a copy otherwise.
     q = query.transpose(1, 2).reshape(bsz * q_len, h_q, head_dim)
@@ -441,7 +442,7 @@ def varlen_packed_mask(*args, **kwargs):
     """
     from transformers.masking_utils import flash_attention_mask
 
-    if not torch.compiler.is_compiling():
+    if not tracing():
         config = kwargs.get("config")
         if config is not None:
             _check_config(config)
