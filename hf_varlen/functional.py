@@ -21,8 +21,9 @@ from numbers import Integral
 
 import torch
 
-from .backends import AttentionParams, Request, VarlenMetadata, resolve
+from .backends import AttentionParams, Request, resolve
 from .backends.opaque import call_opaque
+from .metadata import VarlenMetadata
 from .ops.common import (
     attention_scale,
     attention_softcap,

@@ -1,4 +1,5 @@
-"""VarlenMetadata builders: where each packed document starts, built once per batch.
+"""``VarlenMetadata``, the one description of a packed batch from collator to kernel, and its
+builders: where each packed document starts, built and checked once per batch.
 
 Sources, in the order the transformers attention function tries them:
   * collator kwargs: ``cu_seq_lens_q/k`` (int32) + ``max_length_q/k`` (int)     -> one check
@@ -26,10 +27,20 @@ is a device tensor. Our triton kernel needs neither max length.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from . import coverage
-from .backends.params import VarlenMetadata
+
+# torch.compile helpers, re-exported for their old import path (hf_varlen.compile_support)
+from .compile_support import (  # noqa: F401
+    MAX_LENGTH_SOURCES,
+    NUM_ITEMS_SOURCES,
+    checkpointed_side_effects,
+    mark_dynamic_pack,
+    symbolic_batch_ints,
+)
 from .ops.common import TensorCache, max_length_int, tracing
 
 __all__ = [
@@ -40,79 +51,25 @@ __all__ = [
     "from_padding_mask",
     "from_position_ids",
     "from_rows",
-    "mark_dynamic_pack",
-    "symbolic_batch_ints",
 ]
 
-# Keys of a packed batch whose last dimension is the token count (seq_idx: TRL's padding-free
-# document index per token), and the offsets (n_docs + 1).
-_TOKEN_KEYS = ("input_ids", "labels", "position_ids", "inputs_embeds", "token_type_ids", "seq_idx")
-_OFFSET_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k")
 
+@dataclass(frozen=True)
+class VarlenMetadata:
+    """Packed-layout description of a batch.
 
-# torch.compiler.config.dynamic_sources patterns for the collator's max_length_q/k ints, whether
-# the compiled frame gets them as keyword arguments (L['kwargs']['max_length_q']) or as locals:
-# dynamo then traces them symbolic from the first compilation instead of static-then-symbolic.
-MAX_LENGTH_SOURCES = r".*\['max_length_[qk]'\]"
-# The same for the loss's token count (Trainer's num_items_in_batch, when it is a Python int).
-NUM_ITEMS_SOURCES = r".*\['num_items_in_batch'\]"
-
-
-def symbolic_batch_ints():
-    """Context manager for calls into a compiled packed model: torch.compile traces the batch's
-    changing ints (``max_length_q/k``, ``num_items_in_batch``) symbolic from the first
-    compilation (``torch.compiler.config.dynamic_sources``, appended to the user's own), where each
-    would otherwise compile static first and once more when it changes. A no-op on a torch
-    without that setting. Pair with ``mark_dynamic_pack`` for the tensors."""
-    import contextlib
-
-    config = torch.compiler.config
-    if not hasattr(config, "dynamic_sources"):
-        return contextlib.nullcontext()
-    ours = ",".join((MAX_LENGTH_SOURCES, NUM_ITEMS_SOURCES))
-    return config.patch(dynamic_sources=",".join(filter(None, (config.dynamic_sources, ours))))
-
-
-def checkpointed_side_effects(model) -> dict[str, bool]:
-    """Dynamo config patches for compiling ``model`` (pass them to ``torch._dynamo.config.patch``).
-
-    transformers >= 5.25 decorates its attention classes with kernels' ``use_kernelized_func``
-    (kernels >= 0.19; instances then carry ``_kernel_funcs``), whose forward sets and resets a
-    module-global context variable on every call. Inside a gradient-checkpointed layer Dynamo
-    refuses that mutation ("HOP: Unsafe side effect ... CompileableContextVar"): fullgraph fails,
-    otherwise every layer runs eager, whatever the attention implementation. The variable is
-    restored within the call, so the backward's recompute loses nothing by not replaying it:
-    such models get ``skip_fwd_side_effects_in_bwd_under_checkpoint``; other models nothing."""
-    if not hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
-        return {}
-    if any("_kernel_funcs" in vars(m) for m in model.modules()):
-        return {"skip_fwd_side_effects_in_bwd_under_checkpoint": True}
-    return {}
-
-
-def mark_dynamic_pack(batch):
-    """Mark a packed batch's token dimension and document count dynamic for torch.compile.
-
-    Call on the batch as the compiled model receives it (after ``.to(device)``, which drops the
-    marks). Without it, automatic dynamic shapes compile a static graph first and then recompile
-    once for every dimension that changes later: the token count on the second pack, the number of
-    documents (cu_seq_lens length) only when it first differs, possibly many packs later. With it,
-    the first graph is already symbolic in both, and only the ``max_length_q/k`` ints (static in
-    the first graph, symbolic after their first change) cost one more: at most 2 compilations.
-    Ints cannot be marked; ``symbolic_batch_ints()`` around the compiled calls makes them symbolic
-    from the start too (one compilation; what ``hf-varlen train --compile`` and
-    ``VarlenSFTTrainer(torch_compile=True)`` do).
-    Returns ``batch`` (marked in place; keys it does not know are left alone).
+    cu_seqlens_q/k: (n + 1,) int32 offsets into the packed token axis.
+    max_seqlen_q/k: Python ints (an upper bound on the longest document).
+    indices_q/k: (T_q_real,) / (T_k_real,) int64 positions of the real tokens in the flattened (B*T)
+        axis, or None when every token is real (no unpadding needed).
     """
-    for key in _TOKEN_KEYS:
-        t = batch.get(key)
-        if isinstance(t, torch.Tensor) and t.dim() >= 1:
-            torch._dynamo.maybe_mark_dynamic(t, t.dim() - 1 if key != "inputs_embeds" else 1)
-    for key in _OFFSET_KEYS:
-        t = batch.get(key)
-        if isinstance(t, torch.Tensor) and t.dim() >= 1:
-            torch._dynamo.maybe_mark_dynamic(t, t.dim() - 1)
-    return batch
+
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+    indices_q: torch.Tensor | None = None
+    indices_k: torch.Tensor | None = None
 
 
 def from_lengths(lengths, device=None) -> VarlenMetadata:

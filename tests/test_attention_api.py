@@ -269,3 +269,18 @@ def test_metadata_from_rows_cached_per_shape():
     a = from_rows(2, 5, 5, torch.device("cpu"))
     assert from_rows(2, 5, 5, torch.device("cpu")) is a
     assert from_rows(2, 5, 7, torch.device("cpu")).cu_seqlens_k.tolist() == [0, 7, 14]
+
+
+def test_varlen_metadata_and_compile_helpers_have_one_home():
+    """One class, defined in hf_varlen.metadata; the other paths re-export it. The torch.compile
+    helpers live in hf_varlen.compile_support and keep their old hf_varlen.metadata path."""
+    import hf_varlen.backends.params
+    import hf_varlen.compile_support
+    import hf_varlen.metadata
+
+    canonical = hf_varlen.metadata.VarlenMetadata
+    assert canonical.__module__ == "hf_varlen.metadata"
+    assert hf_varlen.backends.VarlenMetadata is canonical
+    assert hf_varlen.backends.params.VarlenMetadata is canonical
+    for name in hf_varlen.compile_support.__all__:
+        assert getattr(hf_varlen.metadata, name) is getattr(hf_varlen.compile_support, name)

@@ -32,8 +32,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..metadata import VarlenMetadata
 from ..ops.common import tracing
-from .params import AttentionParams, VarlenMetadata
+from .params import AttentionParams
 
 logger = logging.getLogger("hf_varlen")
 # The attribute set_backend(name, model=...) puts on every submodule of that model.
