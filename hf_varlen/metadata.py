@@ -27,6 +27,7 @@ is a device tensor. Our triton kernel needs neither max length.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -41,7 +42,7 @@ from .compile_support import (  # noqa: F401
     mark_dynamic_pack,
     symbolic_batch_ints,
 )
-from .ops.common import TensorCache, max_length_int, tracing
+from .ops.common import TensorCache, env_flag, max_length_int, tracing
 
 __all__ = [
     "VarlenMetadata",
@@ -72,6 +73,47 @@ class VarlenMetadata:
     indices_k: torch.Tensor | None = None
 
 
+class BatchState:
+    """Values derived from the current batch's ``VarlenMetadata`` and shared by its layers.
+
+    ``metadata.py`` hands every layer of a forward pass the same metadata object (each builder
+    caches it on the batch's own tensors, their identity and version: ``ops.common.TensorCache``),
+    so whatever a layer derives from it plus its own call (the backend's ``AttentionParams``, the
+    packed-row checks of the transformers integration) is computed by layer 1 and looked up by
+    layers 2..N: keyed on the metadata object's identity (a weak reference: a recycled id is never
+    mistaken for it) and a caller-given ``key``. One batch at a time: a new metadata object (the
+    next batch, or offsets edited in place, for which the builders build a new one) drops the
+    previous batch's values. Under torch.compile nothing is cached (a traced graph has no object
+    identity to key on). ``key`` must hold everything the value is derived from besides the
+    metadata; at most ``size`` keys are kept per batch.
+
+        value = state.get_or_compute(metadata, (layer_kind, ...), lambda: derive(metadata))
+    """
+
+    def __init__(self, size: int = 64) -> None:
+        self.size = size
+        self._ref = None  # weakref to the current batch's metadata
+        self._values: dict = {}
+
+    def get_or_compute(self, metadata: VarlenMetadata, key, compute):
+        if tracing():
+            return compute()
+        ref = self._ref
+        if ref is None or ref() is not metadata:
+            self._ref, self._values = weakref.ref(metadata), {}
+        values = self._values
+        if key in values:
+            return values[key]
+        value = compute()
+        if len(values) >= self.size:
+            values.clear()
+        values[key] = value
+        return value
+
+    def clear(self) -> None:
+        self._ref, self._values = None, {}
+
+
 def from_lengths(lengths, device=None) -> VarlenMetadata:
     """Metadata for documents of the given lengths (a host list), e.g. from a collator."""
     lengths = [int(n) for n in lengths]
@@ -92,12 +134,22 @@ def _check_covers(cu_q, cu_k, max_q, max_k, total_q: int, total_k: int) -> tuple
 
 
 def from_collator_kwargs(
-    cu_q, cu_k, max_q, max_k, total_q: int | None = None, total_k: int | None = None
+    cu_q,
+    cu_k,
+    max_q,
+    max_k,
+    total_q: int | None = None,
+    total_k: int | None = None,
+    *,
+    device: torch.device | None = None,
 ) -> VarlenMetadata:
     """Collator-provided offsets (max lengths may be ints or 0-d tensors).
 
     With ``total_q/k`` (the batch's token counts) the offsets are checked to cover the batch, in
-    eager mode, once per batch (one host sync); while compiling nothing is read back.
+    eager mode, once per batch (one host sync); while compiling nothing is read back. With
+    ``device`` (the attention inputs' device) they must be on it. The result is what the backend
+    gets, unchanged: int32 offsets on ``device`` describing one number of documents on each side,
+    max lengths as ints (SymInts under torch.compile).
     """
     if cu_q.dtype != torch.int32 or cu_k.dtype != torch.int32:
         raise TypeError(
@@ -107,6 +159,16 @@ def from_collator_kwargs(
         raise ValueError(
             f"cu_seq_lens_q/k need n_docs + 1 >= 2 offsets, got {cu_q.numel()} and {cu_k.numel()} "
             "(an empty batch: the collator received no tokens)"
+        )
+    if cu_q.numel() != cu_k.numel():
+        raise ValueError(
+            f"cu_seq_lens_q and cu_seq_lens_k must describe the same number of documents, got "
+            f"{cu_q.numel() - 1} and {cu_k.numel() - 1}"
+        )
+    if device is not None and (cu_q.device != device or cu_k.device != device):
+        raise ValueError(
+            f"cu_seq_lens_q/k must be on the model's device ({device}), got {cu_q.device} and "
+            f"{cu_k.device}: move the batch with the rest of the inputs"
         )
 
     def build() -> VarlenMetadata:
@@ -130,7 +192,8 @@ def from_collator_kwargs(
                     "would need a host read); the collator emits ints"
                 )
             return VarlenMetadata(flat_q, flat_k, int(max_q), int(max_k))
-        if coverage.DEFERRED.wants(flat_q, max_q, max_k):  # read back later, without a sync
+        if coverage.DEFERRED.wants(flat_q, max_q, max_k) and not env_flag("HF_VARLEN_VALIDATE"):
+            # read back later, without a sync (HF_VARLEN_VALIDATE=1: checked now, for debugging)
             coverage.DEFERRED.submit(flat_q, flat_k, max_q, max_k, total_q, total_k)
             return VarlenMetadata(flat_q, flat_k, int(max_q), int(max_k))
         mq, mk = _check_covers(flat_q, flat_k, max_q, max_k, total_q, total_k)
