@@ -27,14 +27,16 @@ import weakref
 import torch
 
 from ..backends.registry import MODEL_BACKEND_ATTR
-from ..functional import varlen_attention
+from ..functional import batch_call, dispatch
 from ..metadata import (
+    BatchState,
     VarlenMetadata,
     from_collator_kwargs,
     from_padding_mask,
     from_position_ids,
     from_rows,
 )
+from ..ops.common import tracing
 from .linear_attention import is_installed as is_linear_attention_installed
 from .linear_attention import is_linear_attention_layer, stateful_layer_kinds
 
@@ -352,7 +354,9 @@ def _metadata(query, key, attention_mask, kwargs) -> VarlenMetadata:
                 "attention_mask; packed batches carry no padding mask: drop attention_mask"
             )
         # checked to cover the batch once per forward in eager mode (one sync), never per layer
-        return from_collator_kwargs(cu_q, cu_k, max_q, max_k, bsz * q_len, bsz * kv_len)
+        return from_collator_kwargs(
+            cu_q, cu_k, max_q, max_k, bsz * q_len, bsz * kv_len, device=query.device
+        )
     if attention_mask is not None:
         # (B, K) from a caller, or (B, 1, 1, K) from our mask function (possibly sliced on dim 2)
         padding = attention_mask.dim() == 2 or (
@@ -392,13 +396,27 @@ def _positions_from_padding_idx(module) -> bool:
     return _ROW_POSITIONS[cls]
 
 
-def _check_packed_row(module, kwargs) -> None:
+_ROWS_CHECKED = BatchState()  # (config, attention class, ...) whose packed rows passed
+
+
+def _check_packed_row(module, meta: VarlenMetadata, kwargs) -> None:
     """Raise for a row packing several documents where something besides attention would cross
     document boundaries: layers that carry a state along the row (see
-    hf_varlen.integrations.linear_attention), or positions that packing cannot restart."""
+    hf_varlen.integrations.linear_attention), or positions that packing cannot restart. Checked
+    once per batch and model (``_ROWS_CHECKED``), not per layer."""
     config = getattr(module, "config", None)
     if config is None:
         return
+    key = (  # the entry holds the config, so its id is not reused while the entry lives
+        id(config),
+        type(module),
+        is_linear_attention_installed(config),
+        kwargs.get("cu_seq_lens_q") is None,
+    )
+    _ROWS_CHECKED.get_or_compute(meta, key, lambda: _check_packed_row_now(module, config, kwargs))
+
+
+def _check_packed_row_now(module, config, kwargs):
     kinds = stateful_layer_kinds(config)
     # installed gated DeltaNet layers restart; any other state-carrying kind still crosses over
     restarted = ("linear_attention",) if is_linear_attention_installed(config) else ()
@@ -422,6 +440,7 @@ def _check_packed_row(module, kwargs) -> None:
             "each document the positions it has alone; train this model on padded, unpacked "
             "batches"
         )
+    return config
 
 
 def varlen_packed_forward(
@@ -450,7 +469,7 @@ def varlen_packed_forward(
         attention_mask is None
         and kwargs.get("position_ids") is None
         and kwargs.get("cu_seq_lens_q") is None
-        and not torch.compiler.is_compiling()
+        and not tracing()
     ):
         _check_positions_reached(module, query, key)
     if (
@@ -466,8 +485,8 @@ def varlen_packed_forward(
     meta = _metadata(query, key, attention_mask, kwargs)
     # is_compiling first: Dynamo would otherwise guard on the number of documents (a recompile
     # per pack size)
-    if not torch.compiler.is_compiling() and bsz == 1 and meta.cu_seqlens_q.shape[0] > 2:
-        _check_packed_row(module, kwargs)
+    if not tracing() and bsz == 1 and meta.cu_seqlens_q.shape[0] > 2:
+        _check_packed_row(module, meta, kwargs)
     # (B, H, T, D) -> (B*T, H, D): a view for B == 1 (packed batches), a copy otherwise.
     q = query.transpose(1, 2).reshape(bsz * q_len, h_q, head_dim)
     k = key.transpose(1, 2).reshape(-1, key.shape[1], head_dim)
@@ -477,26 +496,27 @@ def varlen_packed_forward(
     window = (-1, -1)
     if sliding_window is not None and sliding_window > 0:
         # HF semantics: a token sees itself and the sliding_window - 1 tokens on each side it may
-        # see (varlen_attention folds causality in: right = 0).
+        # see (AttentionParams.create folds causality in: right = 0).
         window = (sliding_window - 1, sliding_window - 1)
-    out = varlen_attention(
+    # The metadata goes to the backend as metadata.py built and checked it (once per batch); the
+    # layer's own arguments are checked and described once per batch and kind of layer
+    # (functional.batch_call), so layers 2..N of a batch go straight to the backend.
+    params, request = batch_call(
         q,
         k,
         v,
-        meta.cu_seqlens_q,
-        meta.cu_seqlens_k,
-        meta.max_seqlen_q,
-        meta.max_seqlen_k,
+        meta,
         softmax_scale=scaling,
         causal=bool(is_causal),
         window_size=window,
         softcap=float(softcap or 0.0),
         dropout_p=float(dropout or 0.0),
-        backend=getattr(module, MODEL_BACKEND_ATTR, "auto"),  # set_backend(name, model=...)
         # attention sinks (gpt-oss, granite_swa: one learned logit per query head); a backend
         # without them is skipped by "auto" and refused by name when chosen explicitly
         sinks=kwargs.get("s_aux"),
     )
+    backend = getattr(module, MODEL_BACKEND_ATTR, "auto")  # set_backend(name, model=...)
+    out = dispatch(q, k, v, meta, params, backend, request=request)
     if meta.indices_q is not None:
         full = out.new_zeros(bsz * q_len, h_q, out.shape[-1])
         out = full.index_copy(0, meta.indices_q, out)
@@ -518,7 +538,7 @@ def varlen_packed_mask(*args, **kwargs):
     """
     from transformers.masking_utils import flash_attention_mask
 
-    if not torch.compiler.is_compiling():
+    if not tracing():
         config = kwargs.get("config")
         if config is not None:
             _check_config(config)
