@@ -4,15 +4,16 @@
 or, in the generated kernel-hub copy of ``ops/``, that copy's own versioned package name, so the two
 copies never register the same op name (torch would destroy the first library's ops).
 ``qualname(name)``: ``"<NAMESPACE>::<name>"``.
-``compiling()``: True while torch.compile / export traces. The public op functions call the
-registered ops only then; eager calls go straight to the autograd.Function (see each op module).
+``compiling()``: True while torch.compile / export traces (``common.tracing``, the one such test).
+The public op functions call the registered ops only then; eager calls go straight to the
+autograd.Function (see each op module).
 ``first_two_grads(ctx, n_inputs, compute)``: the backward's return value for an op whose first two
 inputs are the differentiable ones, shared by its autograd.Function and its registered op.
 """
 
 from __future__ import annotations
 
-import torch
+from .common import tracing
 
 NAMESPACE = __name__.split(".")[0].lstrip("_") or "hf_varlen"
 
@@ -22,7 +23,7 @@ def qualname(name: str) -> str:
 
 
 def compiling() -> bool:
-    return torch.compiler.is_compiling()
+    return tracing()
 
 
 def first_two_grads(ctx, n_inputs: int, compute):

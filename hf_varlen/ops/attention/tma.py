@@ -26,9 +26,9 @@ through pointers as before: ``tma`` is a tuning choice, never a user's.
 from __future__ import annotations
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
 
 from .._triton_common import INTERPRET
+from ..common import tracing
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -85,7 +85,7 @@ def _data_ptr(t: torch.Tensor) -> int | None:
     descriptors: Inductor (torch 2.11) cannot carry a host-built descriptor into a graph (its
     mutation analysis loses the descriptor arguments and its graph cache fails hashing them), so
     a compiled graph loads through pointers."""
-    if torch.compiler.is_compiling() or is_fake(t):
+    if tracing(t):
         return None
     try:
         return t.data_ptr()
