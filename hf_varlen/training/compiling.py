@@ -56,7 +56,7 @@ from typing import Any
 import torch
 
 from ..metadata import symbolic_batch_ints
-from .config import TrainConfig
+from .run_options import CompileOptions
 
 DEFAULT_BACKEND = "inductor"
 DEFAULT_MODE = "default"
@@ -86,7 +86,7 @@ class CompileError(RuntimeError):
     """``--compile`` was requested but torch.compile could not honour it (the reason inside)."""
 
 
-def check_compile(cfg: TrainConfig) -> None:
+def check_compile(cfg: CompileOptions) -> None:
     """Refuse a ``--compile`` this torch cannot honour, before anything is loaded."""
     if not cfg.compile:
         for flag, value, default in (
@@ -130,7 +130,7 @@ def check_compile(cfg: TrainConfig) -> None:
 class ModelCompiler:
     """Compiles the model in place and counts its compilations (a wrapper backend)."""
 
-    def __init__(self, cfg: TrainConfig):
+    def __init__(self, cfg: CompileOptions):
         self.enabled = cfg.compile
         self.backend = cfg.compile_backend
         self.mode = cfg.compile_mode

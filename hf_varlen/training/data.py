@@ -45,6 +45,7 @@ import torch
 from ..ops.common import IGNORE_INDEX
 from .builtin import builtin_records
 from .config import TrainConfig
+from .options import DataOptions
 from .sources import dataset_access, local_or_hub
 
 logger = logging.getLogger("hf_varlen.training")
@@ -191,7 +192,7 @@ def _is_json_object(line: str) -> bool:
         return False
 
 
-def _load_hub(name: str, cfg: TrainConfig, flag: str = "--dataset") -> list[dict[str, Any]]:
+def _load_hub(name: str, cfg: DataOptions, flag: str = "--dataset") -> list[dict[str, Any]]:
     try:
         import datasets
     except ImportError:
@@ -223,7 +224,7 @@ def _alpaca_fields(rec: dict[str, Any]) -> tuple[str, ...] | None:
     return next((pair for pair in _ALPACA_FIELDS if all(k in rec for k in pair)), None)
 
 
-def _bad_field(rec: dict[str, Any], fmt: str, cfg: TrainConfig) -> str | None:
+def _bad_field(rec: dict[str, Any], fmt: str, cfg: DataOptions) -> str | None:
     """Why a record that has the needed fields cannot be used (null / non-string), or None."""
 
     def kind(value) -> str:
@@ -274,7 +275,7 @@ def _not_unicode(text: str) -> str | None:
     return None
 
 
-def _record_format(rec: Any, cfg: TrainConfig) -> str | None:
+def _record_format(rec: Any, cfg: DataOptions) -> str | None:
     """The format one record's fields suggest (chat, then alpaca, then text), or None."""
     if not isinstance(rec, dict):
         return None
@@ -285,7 +286,7 @@ def _record_format(rec: Any, cfg: TrainConfig) -> str | None:
     return "text" if cfg.text_field in rec else None
 
 
-def detect_format(records: Sequence[dict[str, Any]], cfg: TrainConfig, source: str) -> str:
+def detect_format(records: Sequence[dict[str, Any]], cfg: DataOptions, source: str) -> str:
     """The record format to use; checks that every record has the fields it needs, as strings.
 
     A record that lacks a field, or has it null or not a string, is an error naming the record
@@ -442,7 +443,7 @@ def _chat_example(tokenizer, messages: list[dict], completion_only: bool, index:
     return ids, labels
 
 
-def tokenize(records: Sequence[dict[str, Any]], fmt: str, tokenizer, cfg: TrainConfig) -> Examples:
+def tokenize(records: Sequence[dict[str, Any]], fmt: str, tokenizer, cfg: DataOptions) -> Examples:
     """Render, tokenize, mask and truncate every record (see the module docstring)."""
     eos = tokenizer.eos_token_id
     pairs: list[tuple[list[int], list[int]]] = []

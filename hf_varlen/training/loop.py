@@ -55,6 +55,7 @@ from .data import (
     split_eval,
     tokenize,
 )
+from .fingerprint import DATA_KEY, MODEL_KEY, data_fingerprint, model_fingerprint
 from .graphs import GraphedStep, model_blockers, resolve_graphs
 from .launch import cpu_requested, distribution
 from .metrics import (
@@ -80,6 +81,7 @@ from .model import (
     resolve_precision,
     scope_backend,
 )
+from .output_dir import check_output_paths, prepare_output_dir, resolve_resume
 from .profiling import StepProfiler
 from .run_summary import data_text, padded_alternative, ranks_summary, static_shapes_summary
 
@@ -225,13 +227,13 @@ class PackedTrainer:
         check_load_in_4bit(cfg, self.device, self.acc.num_processes)
         set_seed(cfg.seed)
         # The checkpoint and the output folder are checked before anything is loaded.
-        self.resumed_from = ckpt.resolve_resume(
+        self.resumed_from = resolve_resume(
             cfg.resume,
             cfg.output_dir,
             processes=self.acc.num_processes,
             without_rng=cfg.resume_without_rng,
         )
-        ckpt.check_output_paths(
+        check_output_paths(
             cfg.output_dir,
             files=(CONFIG_FILE, METRICS_FILE, "summary.json"),
             folders=(
@@ -240,9 +242,7 @@ class PackedTrainer:
                 *([PROFILE_DIR] if cfg.profile_step else []),
             ),
         )
-        ckpt.prepare_output_dir(
-            cfg.output_dir, cfg.overwrite_output_dir, self.resumed_from, self.acc
-        )
+        prepare_output_dir(cfg.output_dir, cfg.overwrite_output_dir, self.resumed_from, self.acc)
         if self.acc.is_main_process:  # the resolved options: `hf-varlen train --config` re-runs
             os.makedirs(cfg.output_dir, exist_ok=True)
             cfg.save_yaml(os.path.join(cfg.output_dir, CONFIG_FILE))
@@ -372,14 +372,14 @@ class PackedTrainer:
                 "processes": self.acc.num_processes,
                 "train_examples": len(self.train_ex),
                 "shuffle": cfg.shuffle,
-                ckpt.MODEL_KEY: {
-                    **ckpt.model_fingerprint(self.acc.unwrap_model(self.model).config),
+                MODEL_KEY: {
+                    **model_fingerprint(self.acc.unwrap_model(self.model).config),
                     # LoRA adapters are part of what a checkpoint's weights are
                     "lora (--lora-r, --lora-alpha, --lora-target)": (
                         [cfg.lora_r, cfg.lora_alpha, cfg.lora_target] if cfg.lora else None
                     ),
                 },
-                ckpt.DATA_KEY: ckpt.data_fingerprint(self.train_ex.input_ids, self.train_ex.labels),
+                DATA_KEY: data_fingerprint(self.train_ex.input_ids, self.train_ex.labels),
             }
         )
         self.acc.register_for_checkpointing(self.scheduler, self.state)
