@@ -9,6 +9,7 @@ them (``loop.py`` holds the trainer that calls them and the training step).
 from __future__ import annotations
 
 import datetime
+import math
 import os
 from typing import Any
 
@@ -18,11 +19,12 @@ from safetensors import SafetensorError
 from ..packing import ExampleCountBatchSampler, TokenBudgetBatchSampler
 from . import checkpoint as ckpt
 from .auto_mode import capture_bytes
+from .capture_checks import model_blockers
 from .config import TrainConfig
 from .data import detect_format, load_records
 from .examples import Examples, split_eval, tokenize
 from .fingerprint import DATA_KEY, MODEL_KEY, data_fingerprint, model_fingerprint
-from .graphs import model_blockers, resolve_graphs
+from .graphs import resolve_graphs
 from .launch import cpu_requested
 from .model import apply_kernels, apply_lora, build_model, scope_backend
 from .options import PROFILE_DIR, TENSORBOARD_DIR
@@ -293,3 +295,44 @@ def init_trackers(acc, cfg: TrainConfig, step: int) -> None:
         # files, SummaryWriter's purge_step makes TensorBoard drop them.
         init_kwargs = {"tensorboard": {"purge_step": step + 1}}
     acc.init_trackers(name, config=hparams, init_kwargs=init_kwargs)
+
+
+def start_run_log(trainer):
+    """The run's ``metrics.RunLogger`` (progress, metrics.jsonl, MFU), with the peak-memory counter
+    reset on CUDA and --report-to's tracker started (``trainer``: a ``PackedTrainer``)."""
+    from .metrics import RunLogger, peak_flops
+
+    cfg, acc, device = trainer.cfg, trainer.acc, trainer.device
+    run_log = RunLogger(
+        cfg.output_dir,
+        main=acc.is_main_process,
+        total_steps=trainer.total_steps,
+        start_step=trainer.state.step,
+        progress=cfg.progress,
+        flops_per_token=trainer.flops_per_token,
+        attn_dims=trainer.attn_dims,
+        peak=peak_flops(device, cfg.peak_tflops),
+        world=acc.num_processes,
+        device=device,
+    )
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    if cfg.report_to != "none":
+        init_trackers(acc, cfg, trainer.state.step)
+    return run_log
+
+
+def make_graphed_step(trainer, loss_fn):
+    """The captured step (``graphs.GraphedStep``) of a prepared ``trainer``, with ``loss_fn`` as
+    its micro-batch loss; built after the resume, as it turns the restored learning rates into
+    device tensors."""
+    from .graphs import GraphedStep
+
+    return GraphedStep(
+        trainer.model,
+        trainer.optimizer,
+        loss_fn,
+        device=trainer.device,
+        max_grad_norm=trainer.cfg.max_grad_norm or math.inf,
+        autocast_dtype=torch.bfloat16 if trainer.precision == "bf16-mixed" else None,
+    )

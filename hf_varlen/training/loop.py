@@ -47,24 +47,24 @@ from .builders import (
     build_training_model,
     default_lr,
     graphs_for_model,
-    init_trackers,
     load_checkpoint,
     load_eval_data,
     load_train_data,
+    make_graphed_step,
     make_optimizer,
     make_sampler,
     make_scheduler,
     prepare_output,
     real_tokens_per_micro_batch,
     run_fingerprint,
+    start_run_log,
 )
 from .compiling import ModelCompiler, check_compile
 from .config import TrainConfig
-from .graphs import GraphedStep, resolve_graphs
-from .launch import distribution
+from .graphs import resolve_graphs
+from .launch import distribution, end_process_group
 from .metrics import (
     RunLogger,
-    peak_flops,
 )
 from .model import (
     attention_dims,
@@ -77,8 +77,18 @@ from .model import (
     resolve_precision,
 )
 from .profiling import StepProfiler
-from .run_summary import padded_alternative, write_summary
-from .step import NonFiniteError, accepts_loss_kwargs, nonfinite_message, step_loss, to_device
+from .run_summary import graphs_summary, intro_text, write_summary
+from .step import (
+    NonFiniteError,
+    accepts_loss_kwargs,
+    batch_counts,
+    eval_sums,
+    nonfinite_message,
+    step_loss,
+    step_record,
+    to_device,
+    trial_forward,
+)
 
 logger = logging.getLogger("hf_varlen.training")
 __all__ = ["CONFIG_FILE", "METRICS_FILE", "TRACKED", "NonFiniteError", "PackedTrainer", "run"]
@@ -208,37 +218,16 @@ class PackedTrainer:
             self._log(f"resumed from {self.resumed_from} at step {self.state.step}")
             self.profiler.check_resume(self.state.step)
         # Built after the resume: it turns the restored learning rates into device tensors.
-        self.graphed = (
-            GraphedStep(
-                self.model,
-                self.optimizer,
-                self._graph_loss,
-                device=self.device,
-                max_grad_norm=cfg.max_grad_norm or math.inf,
-                autocast_dtype=torch.bfloat16 if self.precision == "bf16-mixed" else None,
-            )
-            if self.graphs_on
-            else None
-        )
+        self.graphed = make_graphed_step(self, self._graph_loss) if self.graphs_on else None
 
     # ------------------------------------------------------------------------------------------ #
 
-    @torch.no_grad()
     def _preflight(self) -> None:
         """A one-token forward on every rank: model/attention errors surface before step 1."""
-        self.model.eval()
-        try:
-            inputs = to_device(self.batcher.dummy().inputs, self.device)
-            step_loss(self.model, inputs, 1, self.loss_kwargs)
-        except (ValueError, TypeError, RuntimeError, NotImplementedError) as exc:
-            raise ValueError(
-                f"--model {self.cfg.model!r} failed a one-token trial forward with "
-                f"attn_implementation={attn_implementation(self.cfg)!r}: {str(exc).rstrip('.')}. "
-                "Hint: --padded (sdpa baseline), --attn-implementation sdpa, or another "
-                "--attn-backend"
-            ) from exc
-        finally:
-            self.model.train()
+        inputs = to_device(self.batcher.dummy().inputs, self.device)
+        trial_forward(
+            self.model, inputs, self.loss_kwargs, self.cfg.model, attn_implementation(self.cfg)
+        )
 
     def _track(self, values: dict[str, Any], step: int) -> None:
         """Send finite numbers to the --report-to tracker (main process; accelerate skips others)."""
@@ -313,20 +302,10 @@ class PackedTrainer:
             grad_norm = self.acc.clip_grad_norm_(self.clip_params, max_norm)
             collate_next()
             loss_value, grad_norm = _read_loss_and_norm(loss, grad_norm)
-        real = [b for b in batches if not b.dummy]
-        self.rank_real_tokens += sum(b.real_tokens for b in real)
+        counts = batch_counts(batches, self.cfg.token_budget)
+        self.rank_real_tokens += counts[0]
         # Reduced before the update, so every rank takes the same decision on a non-finite step.
-        totals = self._reduce(
-            [
-                loss_value,
-                sum(b.real_tokens for b in real),
-                sum(b.tensor_tokens for b in batches),
-                sum(b.label_tokens for b in real),
-                sum(b.attn_sq for b in real),
-                len(real) * self.cfg.token_budget,
-                sum(b.padded_tokens for b in real),
-            ]
-        )
+        totals = self._reduce([loss_value, *counts])
         gn = float(grad_norm) if grad_norm is not None else math.nan
         check_pending_offsets()  # deferred offset checks: free after the reads above
         finite = math.isfinite(totals[0]) and (grad_norm is None or math.isfinite(gn))
@@ -342,89 +321,29 @@ class PackedTrainer:
         self.scheduler.step()
         if self.graphed is None:  # captured: zeroed in the update graph (static buffers)
             self.optimizer.zero_grad(set_to_none=True)
-        return {
-            "loss": totals[0],
-            "lr": lr,
-            "grad_norm": gn,
-            "skipped": not finite,
-            "real_tokens": int(totals[1]),
-            "tensor_tokens": int(totals[2]),
-            "label_tokens": int(totals[3]),
-            "attn_sq": totals[4],
-            "budget_tokens": int(totals[5]),
-            "padded_tokens": int(totals[6]),
-            "micro_batches": len(group),
-            "step_time": time.perf_counter() - t0,
-            **(
-                {"compilations": self.compiler.compilations - compiled_before}
-                if self.compiler.enabled
-                else {}
-            ),
-            # Steps that captured CUDA graphs (warm-up + capture inside their step_time).
-            **(
-                {"captures": self.graphed.captures - captured_before}
-                if self.graphed is not None
-                else {}
-            ),
-        }
+        extra = {}
+        if self.compiler.enabled:
+            extra["compilations"] = self.compiler.compilations - compiled_before
+        if self.graphed is not None:  # steps that captured (warm-up + capture in their step_time)
+            extra["captures"] = self.graphed.captures - captured_before
+        return step_record(totals, lr, gn, finite, len(group), time.perf_counter() - t0, **extra)
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, Any] | None:
         """Per-token loss over the eval set (all ranks, dummies for empty slots)."""
         if self.eval_sampler is None:
             return None
-        self.model.eval()
-        ce = torch.zeros((), dtype=torch.float64, device=self.device)
-        count = 0
-        for idx in self.eval_sampler:
-            mb = self.eval_batcher(idx)
-            inputs = self.compiler.mark(to_device(mb.inputs, self.device))
-            with self.compiler.guard():
-                loss = step_loss(self.model, inputs, 1, self.loss_kwargs, **self.eval_kwargs)
-            if not mb.dummy:
-                ce += loss.double()
-                count += mb.label_tokens
-        self.model.train()
+        ce, count = eval_sums(
+            self.model, (self.eval_batcher(idx) for idx in self.eval_sampler), self.compiler,
+            self.device, self.loss_kwargs, self.eval_kwargs,
+        )  # fmt: skip
         total, n = self._reduce([float(ce), count])
         return {"eval_loss": total / n, "eval_tokens": int(n)}
 
-    def _padded_alternative(self) -> dict[str, Any] | None:
-        """Token-budget packed runs: the padding a padded trainer would compute on the same data
-        (run_summary.padded_alternative); --batch-size and --padded runs say it already."""
-        if self.cfg.padded or self.cfg.batch_size is not None or not len(self.train_ex):
-            return None
-        batches = len(self.sampler) * self.acc.num_processes
-        return padded_alternative(self.train_ex.lengths, batches, self.cfg.seed)
-
     def run(self) -> dict[str, Any]:
         cfg, st = self.cfg, self.state
-        stats = self.sampler.stats
-        vs_padded = self._padded_alternative()
-        self._log(
-            f"{len(self.train_ex)} train examples in {len(self.sampler)} micro-batches per rank "
-            f"and epoch ({stats.real_tokens / max(stats.padded_tokens, 1):.1%} real tokens if "
-            f"padded to the longest example of each"
-            + (f"; {vs_padded['text']}" if vs_padded else "")
-            + f"); {self.total_steps} steps of "
-            f"{cfg.grad_accum} x {self.acc.num_processes} micro-batches; kernels: {self.kernels}; "
-            f"loss: {self.loss_impl}"
-        )
-        run_log = RunLogger(
-            cfg.output_dir,
-            main=self.acc.is_main_process,
-            total_steps=self.total_steps,
-            start_step=st.step,
-            progress=cfg.progress,
-            flops_per_token=self.flops_per_token,
-            attn_dims=self.attn_dims,
-            peak=peak_flops(self.device, cfg.peak_tflops),
-            world=self.acc.num_processes,
-            device=self.device,
-        )
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-        if cfg.report_to != "none":
-            init_trackers(self.acc, cfg, st.step)
+        self._log(intro_text(self))
+        run_log = start_run_log(self)
         self.model.train()
         evals: list[dict[str, Any]] = []
         t_origin = time.perf_counter() - st.elapsed
@@ -505,20 +424,11 @@ class PackedTrainer:
         interpreter exit to tear down can abort a rank after a run that succeeded ("terminate
         called without an active exception", SIGABRT). A no-op for one process. Afterwards
         ``self.model`` is the unwrapped model: the DDP / FSDP wrapper is released with the group."""
-        if self.acc.num_processes > 1 and torch.distributed.is_initialized():
-            self.acc.wait_for_everyone()
-            # The order matters. DDP's C++ Reducer holds the group, and when Python frees it the
-            # group's destructor runs with the GIL held: ~ProcessGroupGloo joins gloo's worker
-            # threads, one of which may still be freeing the last collective's tensors, which
-            # takes the GIL -- a deadlock (2 of 46 two-process CPU launches hung so after their
-            # summary, py-spy: ~Reducer -> ~ProcessGroupGloo -> thread::join). So the wrapper goes
-            # while `world` still holds the group, and the last reference to the group goes
-            # through ProcessGroup's Python binding, which releases the GIL while the threads join.
-            world = torch.distributed.group.WORLD
-            self.acc.state.destroy_process_group()
+
+        def release_wrapper():
             self.model = self.acc.unwrap_model(self.model)
-            self.acc.free_memory()  # accelerate's own references to the wrapper, then gc
-            del world
+
+        end_process_group(self.acc, release_wrapper)
 
     def _eval_record(self, run_log: RunLogger, st: ckpt.RunState) -> dict[str, Any]:
         result = self.evaluate()
@@ -530,12 +440,7 @@ class PackedTrainer:
 
     def graphs_summary(self) -> dict[str, Any] | None:
         """--cuda-graphs in the summary: what was captured, or why auto left graphs off."""
-        if self.cfg.cuda_graphs == "off":  # asked for by name: nothing to explain
-            return None
-        if self.graphed is None:
-            return {"on": False, "text": self.graphs_note}
-        info = self.graphed.summary()
-        return {"on": True, **info, "text": f"{self.graphs_note}: {info['text']}"}
+        return graphs_summary(self.cfg, self.graphed, self.graphs_note)
 
 
 def run(cfg: TrainConfig | None = None) -> dict[str, Any]:

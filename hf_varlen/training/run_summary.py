@@ -4,7 +4,7 @@
 ``--static-shapes``, the bucket shapes that ran (over all ranks) and the padding they cost.
 ``ranks_summary``: with several processes, each rank's real tokens and peak memory and the per-step
 rank imbalance. ``padded_alternative``: what a padded trainer would compute on the same examples.
-``write_summary``: all of it with the whole-run numbers of the step records
+``intro_text``: the run's first line. ``write_summary``: all of it with the whole-run numbers of the step records
 (``metrics.summarize``), written to summary.json and printed.
 """
 
@@ -164,7 +164,7 @@ def write_summary(trainer, records: list[dict[str, Any]], evals: list[dict[str, 
         ),
         ranks=ranks_summary(trainer.acc, trainer.device, trainer.rank_real_tokens, records),
         profile=trainer.profiler.result,
-        vs_padded=trainer._padded_alternative(),
+        vs_padded=packing_gain(trainer),
     )
     if trainer.acc.is_main_process:
         import json
@@ -175,3 +175,39 @@ def write_summary(trainer, records: list[dict[str, Any]], evals: list[dict[str, 
             plot_runs([cfg.output_dir], cfg.output_dir)
         print(format_summary(summary), flush=True)
     return summary
+
+
+def packing_gain(trainer) -> dict[str, Any] | None:
+    """Token-budget packed runs of ``trainer``: the padding a padded trainer would compute on the
+    same data (``padded_alternative``); --batch-size and --padded runs say it already."""
+    cfg, train = trainer.cfg, trainer.train_ex
+    if cfg.padded or cfg.batch_size is not None or not len(train):
+        return None
+    batches = len(trainer.sampler) * trainer.acc.num_processes
+    return padded_alternative(train.lengths, batches, cfg.seed)
+
+
+def intro_text(trainer) -> str:
+    """The line a run starts with: the data, its micro-batches and packing, the steps, the kernels
+    and the loss."""
+    cfg, stats, vs_padded = trainer.cfg, trainer.sampler.stats, packing_gain(trainer)
+    return (
+        f"{len(trainer.train_ex)} train examples in {len(trainer.sampler)} micro-batches per rank "
+        f"and epoch ({stats.real_tokens / max(stats.padded_tokens, 1):.1%} real tokens if "
+        f"padded to the longest example of each"
+        + (f"; {vs_padded['text']}" if vs_padded else "")
+        + f"); {trainer.total_steps} steps of "
+        f"{cfg.grad_accum} x {trainer.acc.num_processes} micro-batches; kernels: "
+        f"{trainer.kernels}; loss: {trainer.loss_impl}"
+    )
+
+
+def graphs_summary(cfg: TrainConfig, graphed, note: str) -> dict[str, Any] | None:
+    """--cuda-graphs in the summary: what ``graphed`` (a ``GraphedStep``, or None when the step
+    ran eager) captured, or why auto left graphs off (``note``)."""
+    if cfg.cuda_graphs == "off":  # asked for by name: nothing to explain
+        return None
+    if graphed is None:
+        return {"on": False, "text": note}
+    info = graphed.summary()
+    return {"on": True, **info, "text": f"{note}: {info['text']}"}

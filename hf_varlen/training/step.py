@@ -61,3 +61,84 @@ def nonfinite_message(step: int, loss: float, grad_norm: float, lr: float) -> st
         "--max-grad-norm > 0, try --precision fp32 or bf16-mixed, check the data of this step, "
         "or pass --on-nonfinite skip to skip such steps (counted in the summary)"
     )
+
+
+# What one optimizer step counts, summed over its micro-batches (then over the ranks), in order.
+COUNTS = (
+    "real_tokens", "tensor_tokens", "label_tokens", "attn_sq", "budget_tokens", "padded_tokens",
+)  # fmt: skip
+
+
+def batch_counts(batches: list[Any], token_budget: int) -> list[int]:
+    """This rank's ``COUNTS`` of one step's micro-batches (``batching.MicroBatch``). A dummy
+    counts only in the tokens its tensor holds: it trains nothing."""
+    real = [b for b in batches if not b.dummy]
+    return [
+        sum(b.real_tokens for b in real),
+        sum(b.tensor_tokens for b in batches),
+        sum(b.label_tokens for b in real),
+        sum(b.attn_sq for b in real),
+        len(real) * token_budget,
+        sum(b.padded_tokens for b in real),
+    ]
+
+
+def step_record(
+    totals: list[float],
+    lr: float,
+    grad_norm: float,
+    finite: bool,
+    micro_batches: int,
+    step_time: float,
+    **extra: int,
+) -> dict[str, Any]:
+    """The step's line for the metrics: ``totals`` is the loss then ``COUNTS``, summed over the
+    ranks."""
+    counts = {k: v if k == "attn_sq" else int(v) for k, v in zip(COUNTS, totals[1:], strict=True)}
+    return {
+        "loss": totals[0],
+        "lr": lr,
+        "grad_norm": grad_norm,
+        "skipped": not finite,
+        **counts,
+        "micro_batches": micro_batches,
+        "step_time": step_time,
+        **extra,
+    }
+
+
+@torch.no_grad()
+def trial_forward(model, inputs: dict[str, Any], loss_kwargs: bool, name: str, attn: str) -> None:
+    """One forward of ``inputs`` (a one-token batch) in eval mode, so that an error of the model
+    ``name`` or its attention ``attn`` surfaces, with the options to try, before step 1."""
+    model.eval()
+    try:
+        step_loss(model, inputs, 1, loss_kwargs)
+    except (ValueError, TypeError, RuntimeError, NotImplementedError) as exc:
+        raise ValueError(
+            f"--model {name!r} failed a one-token trial forward with "
+            f"attn_implementation={attn!r}: {str(exc).rstrip('.')}. "
+            "Hint: --padded (sdpa baseline), --attn-implementation sdpa, or another "
+            "--attn-backend"
+        ) from exc
+    finally:
+        model.train()
+
+
+@torch.no_grad()
+def eval_sums(model, batches, compiler, device, loss_kwargs: bool, eval_kwargs: dict[str, Any]):
+    """(summed token cross-entropy as a 0-d fp64 tensor, label tokens) of ``batches`` (this rank's
+    ``MicroBatch``es; dummies add nothing) in eval mode; ``compiler`` marks and guards as in
+    training (``compiling.ModelCompiler``)."""
+    model.eval()
+    ce = torch.zeros((), dtype=torch.float64, device=device)
+    count = 0
+    for mb in batches:
+        inputs = compiler.mark(to_device(mb.inputs, device))
+        with compiler.guard():
+            loss = step_loss(model, inputs, 1, loss_kwargs, **eval_kwargs)
+        if not mb.dummy:
+            ce += loss.double()
+            count += mb.label_tokens
+    model.train()
+    return ce, count
