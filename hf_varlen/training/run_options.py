@@ -190,8 +190,6 @@ class LoggingOptions:
         "tracker project name (wandb / trackio project, tensorboard subfolder); default: "
         "the --output-dir folder name",
     )
-    plot: bool = option(False, "write loss / throughput PNGs (needs matplotlib)")
-    progress: bool = option(True, "show a progress bar")
     peak_tflops: float | None = option(
         None, "accelerator peak TFLOP/s for the MFU estimate (default: known GPUs only)"
     )
@@ -202,6 +200,8 @@ class LoggingOptions:
         "(collectives), with the communication no compute overlaps on CUDA, and "
         "step<N>_rank<r>.trace.json.gz is its Chrome / Perfetto trace",
     )
+    plot: bool = option(False, "write loss / throughput PNGs (needs matplotlib)")
+    progress: bool = option(True, "show a progress bar")
 
     def validate(self) -> None:
         check_ints(self, 1, ("log_every",))
