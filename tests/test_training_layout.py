@@ -6,7 +6,10 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-TRAINING = Path(__file__).resolve().parents[1] / "hf_varlen" / "training"
+# The repository root is the first folder above this file that holds the package (this file may
+# sit in a subfolder of tests/).
+ROOT = next(p for p in Path(__file__).resolve().parents if (p / "hf_varlen").is_dir())
+TRAINING = ROOT / "hf_varlen" / "training"
 
 
 def _tree(path: Path) -> ast.Module:
