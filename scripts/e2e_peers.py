@@ -65,7 +65,7 @@ UNSLOTH_ENV = {
 # As hf-varlen train --lora: r 16, alpha 32, dropout 0, every linear layer but the LM head.
 LORA = dict(r=16, lora_alpha=32, lora_dropout=0.0, bias="none")
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-BETAS, EPS = (0.9, 0.999), 1e-8  # hf_varlen.training.loop's AdamW
+BETAS, EPS = (0.9, 0.999), 1e-8  # hf_varlen.training.builders' AdamW
 
 
 def peer_env(mode: str, environ: dict[str, str], compile_dir: str) -> dict[str, str]:

@@ -8,11 +8,18 @@
 Python API: ``run(TrainConfig(...))`` returns the summary dict, or ``PackedTrainer(cfg)`` for the
 pieces (``.train_step``, ``.evaluate``, ``.run()``); every CLI flag is a ``TrainConfig`` field.
 
-Modules: ``config`` (options), ``builtin`` (default tokenizer, data, model shapes), ``data``
-(loading, formats, tokenization, batches), ``model`` (tokenizer/model construction and checks),
-``loop`` (the training loop), ``graphs`` (the CUDA-graph-captured step, ``GraphedStep``, also for
-your own loop), ``checkpoint`` (save / exact resume / export), ``metrics`` (progress, JSONL,
-summary, MFU, plots).
+Modules. Options: ``config`` (``TrainConfig``, the parser, ``--config`` files), made of the
+sections in ``options`` (data, model) and ``run_options`` (optimisation, compile, checkpointing,
+logging), each validated by itself and read by the module that owns it. Data: ``builtin``
+(default tokenizer, data, model shapes), ``sources`` (local or Hub), ``data`` (records and their
+format), ``examples`` (tokenized, masked examples), ``batching`` (micro-batches). Model: ``model``
+(tokenizer/model construction and checks), ``compiling`` (``--compile``). The run: ``builders``
+(the pieces ``PackedTrainer`` is built from), ``loop`` (the trainer and its step), ``step`` (the
+loss of one micro-batch, the step's counts), ``graphs`` / ``capture_checks`` / ``auto_mode`` (the
+CUDA-graph-captured step, ``GraphedStep``, also for your own loop, and when it runs),
+``launch`` (processes). Output: ``checkpoint`` (save / validate / export), ``fingerprint`` (what
+a resume must share), ``output_dir`` (the run folder, ``--resume``), ``metrics`` / ``run_summary``
+/ ``profiling`` (progress, JSONL, summary, MFU, plots, ``--profile-step``).
 """
 
 from __future__ import annotations

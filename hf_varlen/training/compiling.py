@@ -32,7 +32,7 @@ Inductor is also told not to specialise on the token count where its own heurist
 
 - shape padding (``shape_padding``): deciding whether to pad a matmul's dims to an alignment, it
   compares the row count M (the tokens) with the matmul's K and N and guards on the answer. This is
-  the recompile measured on the H200 (torch 2.11, commit 686d225): a tiny model's graphs guarded
+  the recompile measured on the H200 (torch 2.11): a tiny model's graphs guarded
   ``T < 97`` and ``T < 64`` (its vocabulary and hidden size), and packs of 64+ tokens compiled a
   third graph; at the 1B shape the same guard sits at T = 2048, inside the range of batch-32 packs.
   Padding a dynamic M is never done anyway, and real models' K / N are already aligned.
@@ -56,7 +56,7 @@ from typing import Any
 import torch
 
 from ..metadata import symbolic_batch_ints
-from .config import TrainConfig
+from .run_options import CompileOptions
 
 DEFAULT_BACKEND = "inductor"
 DEFAULT_MODE = "default"
@@ -86,7 +86,7 @@ class CompileError(RuntimeError):
     """``--compile`` was requested but torch.compile could not honour it (the reason inside)."""
 
 
-def check_compile(cfg: TrainConfig) -> None:
+def check_compile(cfg: CompileOptions) -> None:
     """Refuse a ``--compile`` this torch cannot honour, before anything is loaded."""
     if not cfg.compile:
         for flag, value, default in (
@@ -130,7 +130,7 @@ def check_compile(cfg: TrainConfig) -> None:
 class ModelCompiler:
     """Compiles the model in place and counts its compilations (a wrapper backend)."""
 
-    def __init__(self, cfg: TrainConfig):
+    def __init__(self, cfg: CompileOptions):
         self.enabled = cfg.compile
         self.backend = cfg.compile_backend
         self.mode = cfg.compile_mode

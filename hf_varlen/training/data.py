@@ -1,31 +1,9 @@
-"""Data: load records, render them in a format, tokenize, mask prompts, and build batches.
+"""Data: load records (built-in, local files, the Hub) and find their format.
 
-Records -> examples. One record becomes ``input_ids`` (n,) and ``labels`` (n,) with
-
-    alpaca:  prompt = "### Instruction:\\n{instruction}\\n\\n[### Input:\\n{input}\\n\\n]### Response:\\n"
-             ids    = tok(prompt) + tok(output) + [eos]        (also accepts prompt / completion)
-    chat:    ids    = tok.apply_chat_template(messages); the tokens of every assistant turn are the
-             difference between the rendering up to that turn and the prompt before it
-    text:    ids    = tok(text) + [eos]
-    labels   = ids where trained, -100 elsewhere (prompt tokens when completion_only)
-
-then truncation to ``max_length``. Examples left with no label token after the first position are
-dropped (counted and logged): they carry no loss and would only cost compute.
-
-Batches. A ``TokenBudgetBatchSampler`` packs the examples once into micro-batches of at most
-``tokens_per_batch`` tokens (or, with ``--batch-size B``, an ``ExampleCountBatchSampler`` cuts one
-seeded shuffle into micro-batches of B examples) and deals them to ranks (every rank gets the same
-number; ``[]`` fills the last group). Packed mode collates a micro-batch with ``PackingCollator``
-into one ``[1, T]`` row; the padded baseline collates the *same* examples into a right-padded
-``[B, L_max]`` batch, so both modes see identical data in identical order. An empty slot becomes a one-token dummy batch
-with no label (a zero-loss forward/backward keeps data-parallel collectives matched).
-
-Static shapes (``--static-shapes``): the packing collator pads T up to a rung of
-``bucket_ladder(token budget)`` and gives ``cu_seq_lens`` the sampler's ``max_documents + 2``
-entries; a dummy is then one all-padding row of the smallest rung. ``real_tokens`` and
-``label_tokens`` never count the padding.
-
-Shape legend: B examples in a micro-batch, L_max the longest of them, T = sum of their lengths.
+``load_records`` returns the records with where each came from; ``detect_format`` picks alpaca,
+chat or text from their fields (or checks ``--format``), naming a record that does not fit.
+``examples.py`` renders, tokenizes and masks them; ``batching.py`` turns index lists into
+micro-batches (both re-exported here).
 """
 
 from __future__ import annotations
@@ -36,20 +14,16 @@ import json
 import logging
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-import torch
-
-from ..ops.common import IGNORE_INDEX
+from .batching import Batcher, MicroBatch
 from .builtin import builtin_records
 from .config import TrainConfig
+from .examples import ALPACA_FIELDS, Examples, alpaca_fields, split_eval, tokenize
+from .options import DataOptions
 from .sources import dataset_access, local_or_hub
 
 logger = logging.getLogger("hf_varlen.training")
-
-_ALPACA_FIELDS = (("instruction", "output"), ("prompt", "completion"))
 
 
 # --------------------------------------------------------------------------------------------- #
@@ -191,7 +165,7 @@ def _is_json_object(line: str) -> bool:
         return False
 
 
-def _load_hub(name: str, cfg: TrainConfig, flag: str = "--dataset") -> list[dict[str, Any]]:
+def _load_hub(name: str, cfg: DataOptions, flag: str = "--dataset") -> list[dict[str, Any]]:
     try:
         import datasets
     except ImportError:
@@ -218,12 +192,7 @@ def _load_hub(name: str, cfg: TrainConfig, flag: str = "--dataset") -> list[dict
     return ds.to_list()
 
 
-def _alpaca_fields(rec: dict[str, Any]) -> tuple[str, ...] | None:
-    """The alpaca field pair a record uses (instruction/output first), or None."""
-    return next((pair for pair in _ALPACA_FIELDS if all(k in rec for k in pair)), None)
-
-
-def _bad_field(rec: dict[str, Any], fmt: str, cfg: TrainConfig) -> str | None:
+def _bad_field(rec: dict[str, Any], fmt: str, cfg: DataOptions) -> str | None:
     """Why a record that has the needed fields cannot be used (null / non-string), or None."""
 
     def kind(value) -> str:
@@ -232,7 +201,7 @@ def _bad_field(rec: dict[str, Any], fmt: str, cfg: TrainConfig) -> str | None:
     if fmt == "text":
         need = [cfg.text_field]
     elif fmt == "alpaca":
-        need = list(_alpaca_fields(rec))
+        need = list(alpaca_fields(rec))
         if need[0] == "instruction" and rec.get("input") is not None:  # input is optional
             need.append("input")
     else:
@@ -274,18 +243,18 @@ def _not_unicode(text: str) -> str | None:
     return None
 
 
-def _record_format(rec: Any, cfg: TrainConfig) -> str | None:
+def _record_format(rec: Any, cfg: DataOptions) -> str | None:
     """The format one record's fields suggest (chat, then alpaca, then text), or None."""
     if not isinstance(rec, dict):
         return None
     if cfg.messages_field in rec:
         return "chat"
-    if _alpaca_fields(rec) is not None:
+    if alpaca_fields(rec) is not None:
         return "alpaca"
     return "text" if cfg.text_field in rec else None
 
 
-def detect_format(records: Sequence[dict[str, Any]], cfg: TrainConfig, source: str) -> str:
+def detect_format(records: Sequence[dict[str, Any]], cfg: DataOptions, source: str) -> str:
     """The record format to use; checks that every record has the fields it needs, as strings.
 
     A record that lacks a field, or has it null or not a string, is an error naming the record
@@ -330,7 +299,7 @@ def detect_format(records: Sequence[dict[str, Any]], cfg: TrainConfig, source: s
             )
     need = {
         "chat": [(cfg.messages_field,)],
-        "alpaca": list(_ALPACA_FIELDS),
+        "alpaca": list(ALPACA_FIELDS),
         "text": [(cfg.text_field,)],
     }[fmt]
     good, first_bad = [], None
@@ -373,230 +342,7 @@ def detect_format(records: Sequence[dict[str, Any]], cfg: TrainConfig, source: s
     return fmt
 
 
-# --------------------------------------------------------------------------------------------- #
-# Tokenization
-
-
-@dataclass
-class Examples:
-    """Tokenized examples: ``input_ids[i]`` and ``labels[i]`` int64 arrays of ``lengths[i]``."""
-
-    input_ids: list[np.ndarray]
-    labels: list[np.ndarray]
-    lengths: np.ndarray
-    dropped: int = 0
-    truncated: int = 0
-
-    def __len__(self) -> int:
-        return len(self.input_ids)
-
-    def subset(self, idx: Sequence[int]) -> Examples:
-        return Examples(
-            [self.input_ids[i] for i in idx],
-            [self.labels[i] for i in idx],
-            self.lengths[np.asarray(idx, dtype=np.int64)] if len(idx) else np.zeros(0, np.int64),
-        )
-
-    def features(self, idx: Sequence[int]) -> list[dict[str, np.ndarray]]:
-        return [{"input_ids": self.input_ids[i], "labels": self.labels[i]} for i in idx]
-
-
-def _alpaca_prompt(rec: dict[str, Any]) -> tuple[str, str]:
-    if _alpaca_fields(rec)[0] == "instruction":
-        extra = rec.get("input") or ""
-        prompt = f"### Instruction:\n{rec['instruction']}\n\n"
-        if extra:
-            prompt += f"### Input:\n{extra}\n\n"
-        return prompt + "### Response:\n", str(rec.get("output") or "")
-    return str(rec["prompt"]), str(rec["completion"])
-
-
-def _encode(tokenizer, texts: list[str], special: bool) -> list[list[int]]:
-    if not texts:
-        return []
-    return tokenizer(texts, add_special_tokens=special)["input_ids"]
-
-
-def _chat_example(tokenizer, messages: list[dict], completion_only: bool, index: int):
-    """(ids, labels) of one conversation; assistant turns are found by prefix rendering."""
-
-    def render(msgs, gen):
-        out = tokenizer.apply_chat_template(msgs, tokenize=True, add_generation_prompt=gen)
-        return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
-
-    ids = render(messages, False)
-    if not completion_only:
-        return ids, list(ids)
-    labels = [IGNORE_INDEX] * len(ids)
-    for turn, msg in enumerate(messages):
-        if msg.get("role") != "assistant":
-            continue
-        prefix, upto = render(messages[:turn], True), render(messages[: turn + 1], False)
-        if ids[: len(prefix)] != prefix or ids[: len(upto)] != upto:
-            raise ValueError(
-                f"record {index}: the tokenizer's chat template does not render conversations "
-                "prefix-stably, so assistant tokens cannot be located; use --no-completion-only "
-                "or a template without per-turn rewriting"
-            )
-        labels[len(prefix) : len(upto)] = ids[len(prefix) : len(upto)]
-    return ids, labels
-
-
-def tokenize(records: Sequence[dict[str, Any]], fmt: str, tokenizer, cfg: TrainConfig) -> Examples:
-    """Render, tokenize, mask and truncate every record (see the module docstring)."""
-    eos = tokenizer.eos_token_id
-    pairs: list[tuple[list[int], list[int]]] = []
-    if fmt == "alpaca":
-        prompts, answers = zip(*(_alpaca_prompt(r) for r in records), strict=True)
-        p_ids = _encode(tokenizer, list(prompts), special=True)
-        a_ids = _encode(tokenizer, list(answers), special=False)
-        for p, a in zip(p_ids, a_ids, strict=True):
-            a = list(a) + ([eos] if eos is not None and (not a or a[-1] != eos) else [])
-            ids = list(p) + a
-            labels = ([IGNORE_INDEX] * len(p) + a) if cfg.completion_only else list(ids)
-            pairs.append((ids, labels))
-    elif fmt == "chat":
-        if getattr(tokenizer, "chat_template", None) is None:
-            raise ValueError(
-                "--format chat needs a tokenizer with a chat template; this tokenizer has none. "
-                "Pass --tokenizer with a chat template or use --format alpaca/text"
-            )
-        for i, r in enumerate(records):
-            pairs.append(_chat_example(tokenizer, r[cfg.messages_field], cfg.completion_only, i))
-    else:
-        texts = [str(r[cfg.text_field]) for r in records]
-        for ids in _encode(tokenizer, texts, special=True):
-            ids = list(ids) + ([eos] if eos is not None else [])
-            pairs.append((ids, list(ids)))
-
-    input_ids, labels, dropped, truncated = [], [], 0, 0
-    for ids, lab in pairs:
-        if len(ids) > cfg.max_length:
-            truncated += 1
-            ids, lab = ids[: cfg.max_length], lab[: cfg.max_length]
-        # Position 0 is never a target (nothing precedes it), so it does not count.
-        if len(ids) < 2 or all(x == IGNORE_INDEX for x in lab[1:]):
-            dropped += 1
-            continue
-        input_ids.append(np.asarray(ids, dtype=np.int64))
-        labels.append(np.asarray(lab, dtype=np.int64))
-    if not input_ids:
-        raise ValueError(
-            f"no usable example: all {len(pairs)} have no label token within --max-length "
-            f"{cfg.max_length}; raise --max-length or check --format / --completion-only"
-        )
-    if dropped:
-        logger.warning(
-            "dropped %d of %d examples with no label token after truncation to %d tokens",
-            dropped,
-            len(pairs),
-            cfg.max_length,
-        )
-    lengths = np.fromiter((len(x) for x in input_ids), dtype=np.int64, count=len(input_ids))
-    return Examples(input_ids, labels, lengths, dropped=dropped, truncated=truncated)
-
-
-def split_eval(examples: Examples, fraction: float, seed: int) -> tuple[Examples, Examples | None]:
-    """Deterministic hold-out of ``fraction`` of the examples (at least one when fraction > 0)."""
-    if fraction <= 0:
-        return examples, None
-    perm = np.random.default_rng([seed, 1234]).permutation(len(examples))
-    n_eval = max(1, int(round(fraction * len(examples))))
-    if n_eval >= len(examples):
-        raise ValueError(
-            f"--eval-split {fraction}: leaves no training example out of {len(examples)}"
-        )
-    return examples.subset(np.sort(perm[n_eval:])), examples.subset(np.sort(perm[:n_eval]))
-
-
-# --------------------------------------------------------------------------------------------- #
-# Batches
-
-
-@dataclass
-class MicroBatch:
-    """Model inputs of one micro-batch plus the counts the loop and the metrics need."""
-
-    inputs: dict[str, Any]
-    real_tokens: int  # tokens of real examples
-    tensor_tokens: int  # tokens the input tensor holds (padding and dummies included)
-    label_tokens: int  # targets that count in the loss (shifted labels != -100)
-    attn_sq: int  # sum over documents of L^2 (attention work)
-    dummy: bool = False
-    padded_tokens: int = 0  # B * L_max: the same examples padded to their longest
-
-
-class Batcher:
-    """Index lists -> ``MicroBatch`` for the packed or the padded mode (same examples either way)."""
-
-    def __init__(
-        self,
-        examples: Examples,
-        cfg: TrainConfig,
-        pad_token_id: int,
-        max_documents: int | None = None,
-    ):
-        from ..collator import PackingCollator
-        from ..packing import bucket_ladder
-
-        self.examples = examples
-        self.padded = cfg.padded
-        self.pad_token_id = int(pad_token_id)
-        # --static-shapes: T is a rung of the ladder and cu_seq_lens has max_documents + 2 entries
-        # (the sampler's cap), so the model sees len(buckets) shapes at most.
-        self.buckets = bucket_ladder(cfg.token_budget) if cfg.static_shapes else None
-        if self.buckets is not None and max_documents is None:
-            raise ValueError("Batcher: --static-shapes needs max_documents (the sampler's)")
-        self.collator = PackingCollator(
-            pad_to_multiple_of=cfg.pad_to_multiple_of,
-            pad_to_buckets=self.buckets,
-            max_documents=max_documents if self.buckets is not None else None,
-            pad_token_id=self.pad_token_id,
-        )
-        # Dummies stay 1 token, or, with buckets, an all-padding row of the smallest one.
-        self._plain = (
-            self.collator
-            if self.buckets is not None
-            else PackingCollator(pad_token_id=self.pad_token_id)
-        )
-
-    def __call__(self, indices: Sequence[int]) -> MicroBatch:
-        if not indices:
-            return self.dummy()
-        feats = self.examples.features(indices)
-        lengths = self.examples.lengths[np.asarray(indices, dtype=np.int64)]
-        real = int(lengths.sum())
-        attn_sq = int((lengths**2).sum())
-        if self.padded:
-            inputs = self._pad(feats)
-            count = int((inputs["labels"][:, 1:] != IGNORE_INDEX).sum())
-        else:
-            inputs = self.collator(feats)
-            count = int((inputs["labels"] != IGNORE_INDEX).sum())
-        padded = len(indices) * int(lengths.max())
-        return MicroBatch(
-            inputs, real, inputs["input_ids"].numel(), count, attn_sq, padded_tokens=padded
-        )
-
-    def _pad(self, feats: list[dict[str, np.ndarray]]) -> dict[str, torch.Tensor]:
-        width = max(len(f["input_ids"]) for f in feats)
-        ids = np.full((len(feats), width), self.pad_token_id, dtype=np.int64)
-        labels = np.full((len(feats), width), IGNORE_INDEX, dtype=np.int64)
-        mask = np.zeros((len(feats), width), dtype=np.int64)
-        for row, f in enumerate(feats):
-            n = len(f["input_ids"])
-            ids[row, :n], labels[row, :n], mask[row, :n] = f["input_ids"], f["labels"], 1
-        return {
-            "input_ids": torch.from_numpy(ids),
-            "attention_mask": torch.from_numpy(mask),
-            "labels": torch.from_numpy(labels),
-        }
-
-    def dummy(self) -> MicroBatch:
-        """One pad token, no label: a forward/backward that adds exactly zero to every gradient."""
-        one = [{"input_ids": np.array([self.pad_token_id]), "labels": np.array([IGNORE_INDEX])}]
-        if self.padded:
-            inputs = self._pad(one)
-        else:  # with buckets: no document, the padding segment alone
-            inputs = self._plain([] if self.buckets is not None else one)
-        return MicroBatch(inputs, 0, inputs["input_ids"].numel(), 0, 0, dummy=True)
+__all__ = [
+    "Batcher", "Examples", "MicroBatch", "Records", "detect_format", "load_records", "split_eval",
+    "tokenize",
+]  # fmt: skip

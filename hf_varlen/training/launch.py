@@ -10,6 +10,7 @@ precision.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -76,3 +77,23 @@ def cpu_requested() -> bool:
             "when there is no GPU)"
         )
     return cpu
+
+
+def end_process_group(acc, release_wrapper: Callable[[], None]) -> None:
+    """End a multi-process run's process group once every rank is through (``PackedTrainer.close``
+    says when); ``release_wrapper`` drops the caller's last reference to the DDP / FSDP wrapper.
+    A no-op for one process."""
+    if acc.num_processes > 1 and torch.distributed.is_initialized():
+        acc.wait_for_everyone()
+        # The order matters. DDP's C++ Reducer holds the group, and when Python frees it the
+        # group's destructor runs with the GIL held: ~ProcessGroupGloo joins gloo's worker
+        # threads, one of which may still be freeing the last collective's tensors, which
+        # takes the GIL -- a deadlock (2 of 46 two-process CPU launches hung so after their
+        # summary, py-spy: ~Reducer -> ~ProcessGroupGloo -> thread::join). So the wrapper goes
+        # while `world` still holds the group, and the last reference to the group goes
+        # through ProcessGroup's Python binding, which releases the GIL while the threads join.
+        world = torch.distributed.group.WORLD
+        acc.state.destroy_process_group()
+        release_wrapper()
+        acc.free_memory()  # accelerate's own references to the wrapper, then gc
+        del world

@@ -333,16 +333,12 @@ def format_summary(s: dict[str, Any]) -> str:
     ]
     if s.get("vs_padded"):  # after the tokens line: the padding this run avoids
         lines.insert(len(lines) - 1, f"  vs padded   {s['vs_padded']['text']}")
-    if s.get("ranks"):
-        lines.append(f"  ranks       {s['ranks']['text']}")
-    if s.get("static_shapes"):
-        lines.append(f"  shapes      {s['static_shapes']['text']}")
-    if s.get("compile"):
-        lines.append(f"  compile     {s['compile']['text']}")
-    if s.get("cuda_graphs"):
-        lines.append(f"  cuda graphs {s['cuda_graphs']['text']}")
-    if s.get("profile"):
-        lines.append(f"  profile     {s['profile']['text']}")
+    for key, label in (
+        ("ranks", "ranks"), ("static_shapes", "shapes"), ("compile", "compile"),
+        ("cuda_graphs", "cuda graphs"), ("profile", "profile"),
+    ):  # fmt: skip
+        if s.get(key):
+            lines.append(f"  {label:<11} {s[key]['text']}")
     if s.get("output_dir"):
         lines.append(f"  output      {s['output_dir']}")
     return "\n".join(lines)

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from .builtin import PRESETS, byte_tokenizer, tiny_shape
-from .config import TrainConfig
+from .options import ModelOptions
 from .sources import hub_access, local_or_hub
 
 logger = logging.getLogger("hf_varlen.training")
@@ -61,7 +61,7 @@ def hub_answers(flag: str, source: str):
         raise FileNotFoundError(f"{flag} {source!r}: {fix}") from exc
 
 
-def load_tokenizer(cfg: TrainConfig):
+def load_tokenizer(cfg: ModelOptions):
     name = cfg.tokenizer
     if name == "bytes" or (name is None and cfg.model in PRESETS):
         return byte_tokenizer()
@@ -110,7 +110,7 @@ def _parse_overrides(text: str | None) -> dict[str, Any]:
     return out
 
 
-def resolve_precision(cfg: TrainConfig, device: torch.device) -> str:
+def resolve_precision(cfg: ModelOptions, device: torch.device) -> str:
     if cfg.precision != "auto":
         cuda_bf16 = cfg.precision.startswith("bf16") and device.type == "cuda"
         if cuda_bf16 and not torch.cuda.is_bf16_supported():
@@ -121,11 +121,11 @@ def resolve_precision(cfg: TrainConfig, device: torch.device) -> str:
     return "fp32"
 
 
-def attn_implementation(cfg: TrainConfig) -> str:
+def attn_implementation(cfg: ModelOptions) -> str:
     return "sdpa" if cfg.padded else cfg.attn_implementation
 
 
-def check_load_in_4bit(cfg: TrainConfig, device: torch.device, processes: int) -> None:
+def check_load_in_4bit(cfg: ModelOptions, device: torch.device, processes: int) -> None:
     """Refuse a ``--load-in-4bit`` this run cannot honour, before anything is loaded (the flag
     combinations are checked by ``TrainConfig.validate``)."""
     if not cfg.load_in_4bit:
@@ -163,7 +163,7 @@ def quantization_kwargs(device: torch.device) -> dict[str, Any]:
     }
 
 
-def build_model(cfg: TrainConfig, tokenizer, precision: str, device: torch.device | None = None):
+def build_model(cfg: ModelOptions, tokenizer, precision: str, device: torch.device | None = None):
     """The model in the weight dtype of ``precision``, ``use_cache`` off. Presets are initialised
     directly on ``device`` (a 1B model's random init is slow on the host); loaded models stay on
     the CPU until ``accelerator.prepare`` moves them."""
@@ -288,11 +288,11 @@ def _install_linear_attention(model, name: str) -> None:
         )
 
 
-def _packed(cfg: TrainConfig) -> bool:
+def _packed(cfg: ModelOptions) -> bool:
     return not cfg.padded and cfg.attn_implementation == "varlen_packed"
 
 
-def check_backend(cfg: TrainConfig) -> None:
+def check_backend(cfg: ModelOptions) -> None:
     """Validate ``--attn-backend`` before anything is loaded; changes nothing."""
     if not _packed(cfg) or cfg.attn_backend == "auto":
         return
@@ -311,7 +311,7 @@ def check_backend(cfg: TrainConfig) -> None:
     )
 
 
-def scope_backend(model, cfg: TrainConfig) -> None:
+def scope_backend(model, cfg: ModelOptions) -> None:
     """Give ``model`` the ``--attn-backend`` choice (its own scope: the process-wide default that
     ``hf_varlen.set_backend(name)`` sets for everything else stays as it was). 'auto' leaves the
     model to the process default."""
@@ -326,7 +326,7 @@ def scope_backend(model, cfg: TrainConfig) -> None:
 LARGE_VOCAB = 32768
 
 
-def fused_loss_choice(cfg: TrainConfig, device: torch.device, vocab: int) -> tuple[bool, str]:
+def fused_loss_choice(cfg: ModelOptions, device: torch.device, vocab: int) -> tuple[bool, str]:
     """Whether the fused linear cross-entropy is wanted, and why (for the summary).
 
     auto: on wherever it saves memory without costing speed: on CUDA (the Triton row kernel), on
@@ -343,7 +343,7 @@ def fused_loss_choice(cfg: TrainConfig, device: torch.device, vocab: int) -> tup
     return False, f"auto: {vocab:,}-token vocabulary on {device.type}"
 
 
-def apply_kernels(model, cfg: TrainConfig, device: torch.device) -> tuple[str, bool, str]:
+def apply_kernels(model, cfg: ModelOptions, device: torch.device) -> tuple[str, bool, str]:
     """Fused kernels (RoPE, GLU, RMSNorm) and the fused cross-entropy via ``hf_varlen.kernelize``.
 
     ``--fused-kernels`` switches the layer kernels (auto: on with CUDA), ``--fused-loss`` the loss
@@ -425,7 +425,7 @@ def _kernels_text(report) -> str:
     return text
 
 
-def apply_lora(model, cfg: TrainConfig):
+def apply_lora(model, cfg: ModelOptions):
     from peft import LoraConfig, get_peft_model
 
     targets = cfg.lora_target

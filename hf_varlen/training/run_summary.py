@@ -3,11 +3,14 @@
 ``data_text``: one line saying what was trained on. ``static_shapes_summary``: with
 ``--static-shapes``, the bucket shapes that ran (over all ranks) and the padding they cost.
 ``ranks_summary``: with several processes, each rank's real tokens and peak memory and the per-step
-rank imbalance. ``padded_alternative``: what a padded trainer would compute on the same examples. The whole-run numbers from the step records are ``metrics.summarize``.
+rank imbalance. ``padded_alternative``: what a padded trainer would compute on the same examples.
+``intro_text``: the run's first line. ``write_summary``: all of it with the whole-run numbers of the step records
+(``metrics.summarize``), written to summary.json and printed.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -15,6 +18,8 @@ import numpy as np
 import torch
 
 from .config import TrainConfig
+from .metrics import environment, finite_or_none, format_summary, plot_runs, summarize
+from .model import attn_implementation
 
 
 def data_text(cfg: TrainConfig, data_format: str, n_train: int, n_eval: int) -> str:
@@ -122,3 +127,87 @@ def padded_alternative(lengths: np.ndarray, micro_batches: int, seed: int) -> di
         "text": f"shuffled batches of {per_batch} examples padded to their longest would be "
         f"{eff:.1%} real tokens: packing avoids computing {1 - eff:.1%} padding",
     }
+
+
+def write_summary(trainer, records: list[dict[str, Any]], evals: list[dict[str, Any]]) -> dict:
+    """The end-of-run summary of ``trainer`` (a ``PackedTrainer``) from its step ``records`` and
+    ``evals``: written to OUTPUT_DIR/summary.json and printed on the main process (with --plot's
+    PNGs), returned on every rank."""
+    cfg = trainer.cfg
+    n_eval = len(trainer.eval_ex) if trainer.eval_ex else 0
+    data = data_text(cfg, trainer.format, len(trainer.train_ex), n_eval)
+    summary = summarize(
+        records,
+        evals,
+        model=cfg.model,
+        params=trainer.params,
+        trainable=trainer.trainable,
+        mode="padded baseline" if cfg.padded else "packed",
+        attention=attn_implementation(cfg)
+        + ("" if cfg.padded else f" (backend {cfg.attn_backend})"),
+        precision=trainer.precision,
+        kernels=trainer.kernels,
+        loss_impl=trainer.loss_impl,
+        data=data,
+        processes=trainer.acc.num_processes,
+        distribution=trainer.distribution,
+        device=str(trainer.device),
+        output_dir=cfg.output_dir,
+        resumed_from=trainer.resumed_from,
+        skipped_steps=trainer.state.skipped,
+        skipped_records=trainer.skipped_records,
+        env=environment(trainer.device),
+        compile=trainer.compiler.summary(records),
+        cuda_graphs=trainer.graphs_summary(),
+        static_shapes=static_shapes_summary(
+            trainer.bucket_counts, trainer._reduce, records, trainer.sampler.max_documents
+        ),
+        ranks=ranks_summary(trainer.acc, trainer.device, trainer.rank_real_tokens, records),
+        profile=trainer.profiler.result,
+        vs_padded=packing_gain(trainer),
+    )
+    if trainer.acc.is_main_process:
+        import json
+
+        with open(os.path.join(cfg.output_dir, "summary.json"), "w", encoding="utf-8") as fh:
+            json.dump(finite_or_none(summary), fh, indent=2, allow_nan=False)
+        if cfg.plot:
+            plot_runs([cfg.output_dir], cfg.output_dir)
+        print(format_summary(summary), flush=True)
+    return summary
+
+
+def packing_gain(trainer) -> dict[str, Any] | None:
+    """Token-budget packed runs of ``trainer``: the padding a padded trainer would compute on the
+    same data (``padded_alternative``); --batch-size and --padded runs say it already."""
+    cfg, train = trainer.cfg, trainer.train_ex
+    if cfg.padded or cfg.batch_size is not None or not len(train):
+        return None
+    batches = len(trainer.sampler) * trainer.acc.num_processes
+    return padded_alternative(train.lengths, batches, cfg.seed)
+
+
+def intro_text(trainer) -> str:
+    """The line a run starts with: the data, its micro-batches and packing, the steps, the kernels
+    and the loss."""
+    cfg, stats, vs_padded = trainer.cfg, trainer.sampler.stats, packing_gain(trainer)
+    return (
+        f"{len(trainer.train_ex)} train examples in {len(trainer.sampler)} micro-batches per rank "
+        f"and epoch ({stats.real_tokens / max(stats.padded_tokens, 1):.1%} real tokens if "
+        f"padded to the longest example of each"
+        + (f"; {vs_padded['text']}" if vs_padded else "")
+        + f"); {trainer.total_steps} steps of "
+        f"{cfg.grad_accum} x {trainer.acc.num_processes} micro-batches; kernels: "
+        f"{trainer.kernels}; loss: {trainer.loss_impl}"
+    )
+
+
+def graphs_summary(cfg: TrainConfig, graphed, note: str) -> dict[str, Any] | None:
+    """--cuda-graphs in the summary: what ``graphed`` (a ``GraphedStep``, or None when the step
+    ran eager) captured, or why auto left graphs off (``note``)."""
+    if cfg.cuda_graphs == "off":  # asked for by name: nothing to explain
+        return None
+    if graphed is None:
+        return {"on": False, "text": note}
+    info = graphed.summary()
+    return {"on": True, **info, "text": f"{note}: {info['text']}"}

@@ -112,3 +112,31 @@ def test_saved_config_reruns_the_same_training(tmp_path, capsys):
         **saved,
         "output_dir": str(second),
     }
+
+
+def test_sections_own_their_options_and_nested_keys_load_like_flat_ones(tmp_path):
+    """TrainConfig is its sections in one flat dataclass: every field is in exactly one section,
+    a section's own object holds the same values, and a file may group keys by section."""
+    from hf_varlen.training.config import SECTIONS
+    from hf_varlen.training.run_options import OptimOptions
+
+    owned = [f.name for kind in SECTIONS.values() for f in dataclasses.fields(kind)]
+    assert sorted(owned) == sorted(f.name for f in dataclasses.fields(TrainConfig))
+    assert len(owned) == len(set(owned))
+    cfg = TrainConfig(lr=3e-4, grad_accum=2)
+    optim = cfg.section(OptimOptions)
+    assert type(optim) is OptimOptions and (optim.lr, optim.grad_accum) == (3e-4, 2)
+    nested = {
+        "model": {"model": "tiny-qwen3", "lora": False},
+        "optimisation": {"lr": 0.002, "max_steps": 2},
+        "compile": False,  # the option itself, not a section
+        "max_length": 256,
+    }
+    assert load_config_file(write(tmp_path / "nested.yaml", nested)) == {
+        "model": "tiny-qwen3", "lora": False, "lr": 0.002, "max_steps": 2, "compile": False,
+        "max_length": 256,
+    }  # fmt: skip
+    with pytest.raises(ValueError, match="'lr' is not an option of the data section"):
+        load_config_file(write(tmp_path / "wrong.yaml", {"data": {"lr": 0.1}}))
+    with pytest.raises(ValueError, match="lr given twice"):
+        load_config_file(write(tmp_path / "twice.yaml", {"lr": 0.1, "optimisation": {"lr": 0.2}}))
