@@ -20,9 +20,12 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 # The shared helpers (attn_cases, tiny_packed, tiny_runs, model_families, traced_triton_compile)
-# live here, beside the per-folder test files that import them by module name.
-if str(Path(__file__).parent) not in sys.path:
-    sys.path.insert(0, str(Path(__file__).parent))
+# live here, beside the per-folder test files that import them by module name; a few tests reuse
+# another test module's builders (test names are unique across folders), so every folder is on the
+# path too and a file runs alone as it runs in the whole suite.
+_TESTS = Path(__file__).parent
+_FOLDERS = (_TESTS, *sorted(d for d in _TESTS.iterdir() if d.is_dir() and any(d.glob("test_*.py"))))
+sys.path[:0] = [str(d) for d in _FOLDERS if str(d) not in sys.path]
 
 SHARED_DATA = Path(
     os.environ.get("HF_VARLEN_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data")

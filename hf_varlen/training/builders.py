@@ -26,7 +26,8 @@ from .examples import Examples, split_eval, tokenize
 from .fingerprint import DATA_KEY, MODEL_KEY, data_fingerprint, model_fingerprint
 from .graphs import resolve_graphs
 from .launch import cpu_requested, release_stale_state
-from .model import apply_kernels, apply_lora, build_model, scope_backend
+from .model import build_model, scope_backend
+from .model_kernels import apply_kernels, apply_lora
 from .options import PROFILE_DIR, TENSORBOARD_DIR
 from .output_dir import check_output_paths, prepare_output_dir, resolve_resume
 from .run_options import OptimOptions

@@ -298,7 +298,7 @@ def test_layers_of_one_batch_share_one_plan(monkeypatch):
         ),
     )
     torch.manual_seed(0)
-    model = _tiny_llama()
+    model = tiny_llama(layers=2)
     cu = torch.tensor([0, 4, 9], dtype=torch.int32)
     batch = dict(
         input_ids=torch.randint(0, 50, (1, 9)),

@@ -275,7 +275,7 @@ def test_summary_wording(tmp_path, capsys):
 def test_kernel_report_names_reasons_not_python_objects():
     from types import SimpleNamespace
 
-    from hf_varlen.training.model import _kernels_text
+    from hf_varlen.training.model_kernels import _kernels_text
 
     why = "the Triton kernels cannot run on device type 'cpu'; pass device='cuda' when ..."
     report = SimpleNamespace(

@@ -11,7 +11,8 @@ import torch
 from hf_varlen.training import PackedTrainer, TrainConfig
 from hf_varlen.training.builtin import PRESETS, TINY_EMBEDDING_PARAMS, tiny_shape
 from hf_varlen.training.metrics import format_summary
-from hf_varlen.training.model import build_model, fused_loss_choice
+from hf_varlen.training.model import build_model
+from hf_varlen.training.model_kernels import fused_loss_choice
 
 QWEN2_VOCAB = 151_646  # len() of the Qwen2 tokenizer
 
@@ -99,7 +100,7 @@ def test_explicit_fused_loss_that_cannot_be_installed_is_an_error(monkeypatch, t
     """--fused-loss on is an explicit request: when the fused loss cannot be installed the run
     stops naming why (auto only warns and says so in the summary)."""
     import hf_varlen
-    from hf_varlen.training.model import apply_kernels
+    from hf_varlen.training.model_kernels import apply_kernels
 
     real = hf_varlen.kernelize
 
