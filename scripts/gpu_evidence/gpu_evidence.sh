@@ -267,14 +267,16 @@ trl)
     step bench_trl 560 python3 scripts/bench_trl.py --tokenizer "$data/qwen2" \
         --dataset "$data/alpaca_5000.json" --out "$out/trl" --steps 15 --warmup 5 --timeout 120
     ;;
-baseline)  # HF_VARLEN_BASELINE="attn" runs only the attention comparison (default: attn rope)
+baseline)  # HF_VARLEN_BASELINE="attn" runs only the attention comparison (default: attn rope);
+    # HF_VARLEN_ATTN_CASES: a comma list of bench_attention's cases (default: all of them)
     for bench in ${HF_VARLEN_BASELINE:-attn rope}; do
         for tree in .baseline .; do
             tag=$([ "$tree" = . ] && echo new || echo old)
             env=(env PYTHONPATH="$PWD/$tree:$PYTHONPATH")
             case "$bench" in
             attn) step "attn_$tag" 200 "${env[@]}" python3 "$tree/scripts/bench_attention.py" \
-                --providers triton,torch --no-check --json "$out/attn_$tag.json" ;;
+                --providers triton,torch --no-check --cases "${HF_VARLEN_ATTN_CASES:-all}" \
+                --json "$out/attn_$tag.json" ;;
             rope) step "rope_$tag" 100 "${env[@]}" python3 "$tree/scripts/bench_rope.py" \
                 --json "$out/rope_$tag.json" ;;
             esac
