@@ -30,8 +30,8 @@ from transformers import (  # noqa: E402
 )
 
 import hf_varlen  # noqa: E402
-from hf_varlen.integrations import captured_trainer as ct  # noqa: E402
-from hf_varlen.integrations.captured_trainer import (  # noqa: E402
+from hf_varlen.integrations.trainers import captured as ct  # noqa: E402
+from hf_varlen.integrations.trainers.captured import (  # noqa: E402
     CaptureError,
     VarlenTrainer,
     pad_to_bucket,
@@ -233,7 +233,7 @@ def _trl(trl_setup, tmp_path, name, cuda_graphs, mode="padding_free", **cfg):
     from accelerate.state import AcceleratorState
     from trl import SFTConfig
 
-    from hf_varlen.integrations.trl import VarlenSFTTrainer
+    from hf_varlen.integrations.trainers import VarlenSFTTrainer
 
     AcceleratorState._reset_state(reset_partial_state=True)  # runs of other precisions
     tokenizer, data = trl_setup

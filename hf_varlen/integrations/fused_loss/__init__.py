@@ -24,7 +24,7 @@ at install time; supported: softcaps (Gemma2/3, ``final_logit_softcapping``, ``l
 multiplicative scales ``* self.<attr>`` / ``/ self.<attr>`` (Cohere ``logit_scale``, Granite
 ``logits_scaling``, Falcon-H1 ``lm_head_multiplier``), dtype casts. Anything else, or a loss not
 computed through ``self.loss_function``, or a ``loss_function`` other than HF's ``ForCausalLMLoss``,
-raises NotImplementedError at install (``loss_audit.py`` says why the source is read).
+raises NotImplementedError at install (``audit.py`` says why the source is read).
 
 Returned outputs: with the fused path, ``logits`` is None in a ModelOutput (a (..., 0) placeholder
 in a tuple when ``return_dict=False``). Without labels, or in eval mode, the original forward
@@ -32,7 +32,7 @@ runs and returns real logits. Public per-call keyword of the wrapped forward: ``
 / ``False`` forces either path (``fused_loss=True`` for eval-loss loops that need no logits); it is
 consumed by the wrapper and never reaches the model's own forward.
 
-lm_head kinds (``loss_head.py``): ``nn.Linear`` (weight possibly tied to the embeddings: the
+lm_head kinds (``head.py``): ``nn.Linear`` (weight possibly tied to the embeddings: the
 gradient is added to the shared parameter by autograd); a PEFT LoRA layer; a PEFT
 ``ModulesToSaveWrapper`` (its active copy). FSDP2: when lm_head is its own FSDP unit the head's
 pre-forward hook unshards the weight before our forward runs; a weight still sharded (a DTensor)
@@ -52,9 +52,9 @@ import types
 import torch
 import torch.nn.functional as F
 
-from ..ops.common import IGNORE_INDEX, check_int
-from .loss_audit import HeadSpec, audit, check_causal_lm_loss, head_attr_name, logit_transform
-from .loss_head import head_params
+from ...ops.common import IGNORE_INDEX, check_int
+from .audit import HeadSpec, audit, check_causal_lm_loss, head_attr_name, logit_transform
+from .head import head_params
 
 _STATE_ATTR = "_hf_varlen_fused_ce"
 
@@ -149,7 +149,7 @@ def _fused_head_forward(
             f"reaching the head (hidden {tuple(hidden.shape)}); with labels, logits_to_keep must "
             "keep every position"
         )
-    from ..ops.cross_entropy import fused_linear_cross_entropy  # imports triton: only when used
+    from ...ops.cross_entropy import fused_linear_cross_entropy  # imports triton: only when used
 
     weight, bias = head_params(head)
     if not torch.is_autocast_enabled(hidden.device.type) and hidden2.dtype != weight.dtype:

@@ -13,7 +13,7 @@ import logging
 
 import torch
 
-logger = logging.getLogger("hf_varlen.integrations.loss")
+logger = logging.getLogger("hf_varlen.integrations.fused_loss")
 
 
 def _lora_effective(layer) -> tuple[torch.Tensor, torch.Tensor | None]:

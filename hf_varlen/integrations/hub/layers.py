@@ -15,8 +15,8 @@ forward it replaces. It reads the host module's own state (``weight``, eps, ``ga
 Shapes: hidden_states, x (B, T, H) (any leading dims); q (B, Hq, T, D), k (B, Hk, T, D);
 cos, sin (B, T, D) (``unsqueeze_dim=1`` inserts the head axis).
 
-This file is copied verbatim into the generated hub kernel package (``hub_package.py``) next to a
-copy of ``hf_varlen/ops``, so it imports only ``..ops`` (relative) and torch.
+This file is copied verbatim into the generated hub kernel package (``package.py``) next to a
+copy of ``hf_varlen/ops``, so it imports only ``...ops`` (relative) and torch.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..ops.glu import geglu, swiglu
-from ..ops.rmsnorm import rms_norm
-from ..ops.rope import rotary_pos_emb
+from ...ops.glu import geglu, swiglu
+from ...ops.rmsnorm import rms_norm
+from ...ops.rope import rotary_pos_emb
 
 # Activation modules by class name (no transformers import: the hub package must not need it).
 _SILU = {"SiLUActivation", "SiLU"}

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..ops.lora import lora_linear
+from ...ops.lora import lora_linear
 
 LEFT_ALONE_PREFIX = "lora."  # every reason ``problem`` gives starts with it
 _PEFT_LAYER = ("peft.tuners.lora.layer", "LoraLayer")

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from transformers import TrainerCallback
 
-from ..coverage import check_pending_offsets
+from ...coverage import check_pending_offsets
 
 __all__ = ["OffsetsCheckCallback"]
 

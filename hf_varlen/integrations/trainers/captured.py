@@ -1,7 +1,7 @@
 """The captured training step inside ``transformers.Trainer``: ``VarlenTrainer`` and the mixin
 ``VarlenSFTTrainer`` shares.
 
-    from hf_varlen.integrations.captured_trainer import VarlenTrainer
+    from hf_varlen.integrations.trainers import VarlenTrainer
 
     trainer = VarlenTrainer(model=model, args=args, train_dataset=ds,
                             data_collator=hf_varlen.PackingCollator(), cuda_graphs="auto")
@@ -48,9 +48,9 @@ from typing import Any
 import torch
 from transformers import Trainer
 
-from ..packing import bucket_ladder
-from ..training import auto_mode
-from ..training import graphs as graphs_mod
+from ...packing import bucket_ladder
+from ...training import auto_mode
+from ...training import graphs as graphs_mod
 
 __all__ = ["CaptureError", "CapturedStepMixin", "VarlenTrainer", "pad_to_bucket"]
 

@@ -1,6 +1,6 @@
 """Padding-free log-prob passes for TRL's ``DPOTrainer`` and ``GRPOTrainer``.
 
-    from hf_varlen.integrations.trl_preference import VarlenDPOTrainer, VarlenGRPOTrainer
+    from hf_varlen.integrations.trainers import VarlenDPOTrainer, VarlenGRPOTrainer
 
     model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="varlen_packed")
     trainer = VarlenDPOTrainer(model=model, args=DPOConfig(...), train_dataset=pairs)

@@ -1,6 +1,6 @@
 """TRL's ``SFTTrainer`` with hf_varlen's fused linear cross-entropy as the training loss.
 
-    from hf_varlen.integrations.trl import VarlenSFTTrainer
+    from hf_varlen.integrations.trainers import VarlenSFTTrainer
 
     trainer = VarlenSFTTrainer(model=model, args=SFTConfig(padding_free=True), ...)
 
@@ -64,10 +64,10 @@ from typing import Any
 import torch
 from trl import SFTTrainer
 
-from ..metadata import checkpointed_side_effects, mark_dynamic_pack, symbolic_batch_ints
-from .captured_trainer import CapturedStepMixin
-from .loss import install_fused_cross_entropy, is_fused_cross_entropy_installed
-from .trainer_callbacks import OffsetsCheckCallback
+from ...metadata import checkpointed_side_effects, mark_dynamic_pack, symbolic_batch_ints
+from ..fused_loss import install_fused_cross_entropy, is_fused_cross_entropy_installed
+from .callbacks import OffsetsCheckCallback
+from .captured import CapturedStepMixin
 
 __all__ = ["VarlenSFTTrainer"]
 
@@ -92,7 +92,7 @@ class VarlenSFTTrainer(CapturedStepMixin, SFTTrainer):
             loss installed (``hf_varlen.kernelize`` installs it), the options it was installed
             with.
         cuda_graphs: "auto" (default), "on" or "off": the captured step
-            (``hf_varlen.integrations.captured_trainer``: padding-free batches padded to a bucket,
+            (``hf_varlen.integrations.trainers.captured``: padding-free batches padded to a bucket,
             forward + backward replayed per bucket shape; ``num_tokens`` and the loss as eager).
         max_tokens_per_batch: the top of the bucket ladder (default: per-device batch size x
             ``max_length``, the longest padding-free row TRL's collator builds).

@@ -1,0 +1,52 @@
+"""``hf_varlen.integrations``: one package per concept, the old flat module paths kept for one
+release (they warn and are the moved module itself)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+INTEGRATIONS = Path(__file__).resolve().parents[1] / "hf_varlen" / "integrations"
+MOVED = {
+    "hub_layers": "hub.layers",
+    "hub_attention": "hub.attention",
+    "hub_package": "hub.package",
+    "kernelize_probes": "kernelize.probes",
+    "peft_lora": "kernelize.peft_lora",
+    "loss": "fused_loss",
+    "loss_audit": "fused_loss.audit",
+    "loss_head": "fused_loss.head",
+    "captured_trainer": "trainers.captured",
+    "trainer_callbacks": "trainers.callbacks",
+    "trl": "trainers.sft",
+    "trl_preference": "trainers.preference",
+}
+
+
+@pytest.mark.parametrize("old", sorted(MOVED))
+def test_old_path_warns_and_is_the_new_module(old, monkeypatch):
+    if old in ("trl", "trl_preference"):
+        pytest.importorskip("trl")
+    old_name, new_name = f"hf_varlen.integrations.{old}", f"hf_varlen.integrations.{MOVED[old]}"
+    new = importlib.import_module(new_name)
+    monkeypatch.delitem(sys.modules, old_name, raising=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        module = importlib.import_module(old_name)
+    assert module is new
+    messages = [str(w.message) for w in caught if w.category is DeprecationWarning]
+    assert any(f"{old_name} has moved to {new_name}" in m for m in messages), messages
+
+
+def test_trainers_package_names_resolve_lazily():
+    from hf_varlen.integrations import trainers
+    from hf_varlen.integrations.trainers import callbacks, captured
+
+    assert trainers.VarlenTrainer is captured.VarlenTrainer
+    assert trainers.OffsetsCheckCallback is callbacks.OffsetsCheckCallback
+    with pytest.raises(AttributeError, match="no attribute 'Nope'"):
+        trainers.Nope  # noqa: B018
