@@ -30,6 +30,7 @@ from transformers import (  # noqa: E402
 )
 
 import hf_varlen  # noqa: E402
+from hf_varlen.captured_step import graphs as step_graphs  # noqa: E402
 from hf_varlen.integrations.trainers import captured as ct  # noqa: E402
 from hf_varlen.integrations.trainers.captured import (  # noqa: E402
     CaptureError,
@@ -37,7 +38,6 @@ from hf_varlen.integrations.trainers.captured import (  # noqa: E402
     pad_to_bucket,
 )
 from hf_varlen.testing import assert_numerics  # noqa: E402
-from hf_varlen.training import graphs as graphs_mod  # noqa: E402
 
 VOCAB = 96
 
@@ -48,7 +48,7 @@ def _eager_capture(fn, pool):
 
 @pytest.fixture
 def simulated(monkeypatch):
-    monkeypatch.setattr(graphs_mod, "_capture_cuda", _eager_capture)
+    monkeypatch.setattr(step_graphs, "_capture_cuda", _eager_capture)
     monkeypatch.setattr(ct, "_device_type", lambda t: "cuda")
 
 
@@ -190,7 +190,7 @@ def test_forward_that_syncs_with_the_host(tmp_path, monkeypatch, caplog):
     def failing_capture(fn, pool):
         raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
 
-    monkeypatch.setattr(graphs_mod, "_capture_cuda", failing_capture)
+    monkeypatch.setattr(step_graphs, "_capture_cuda", failing_capture)
     monkeypatch.setattr(ct, "_device_type", lambda t: "cuda")
     with pytest.raises(CaptureError, match="synchronises with the host"):
         _train(tmp_path, "on", "on")
@@ -272,7 +272,7 @@ def test_trl_defaults_captured_equals_eager(trl_setup, tmp_path, simulated, mode
     info = trainer.captured_step_summary()
     assert info["mode"].startswith("captured") and info["graphs"] >= 1, info
     assert trainer._graphed.autocast_dtype == torch.bfloat16
-    assert trainer.args.gradient_checkpointing and graphs_mod.model_blockers(trainer.model) == []
+    assert trainer.args.gradient_checkpointing and step_graphs.model_blockers(trainer.model) == []
     for step, (h, lo_, x_) in enumerate(zip(hi, lo, x, strict=True)):
         assert x_["num_tokens"] == lo_["num_tokens"] == h["num_tokens"]
         for key in ("loss", "grad_norm"):

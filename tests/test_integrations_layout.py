@@ -1,8 +1,10 @@
 """``hf_varlen.integrations``: one package per concept, the old flat module paths kept for one
-release (they warn and are the moved module itself)."""
+release (they warn and are the moved module itself), and the import rule of docs/ARCHITECTURE.md
+(integrations/ never imports training/)."""
 
 from __future__ import annotations
 
+import ast
 import importlib
 import sys
 import warnings
@@ -50,3 +52,32 @@ def test_trainers_package_names_resolve_lazily():
     assert trainers.OffsetsCheckCallback is callbacks.OffsetsCheckCallback
     with pytest.raises(AttributeError, match="no attribute 'Nope'"):
         trainers.Nope  # noqa: B018
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """(level, absolute-or-relative module) of every import in ``path``, nested ones included."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found += [(0, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            found.append((node.level, node.module or ""))
+    return found
+
+
+def _resolve(path: Path, level: int, module: str) -> str:
+    if level == 0:
+        return module
+    parts = list(path.relative_to(INTEGRATIONS.parents[1]).with_suffix("").parts)
+    base = parts[:-level]  # a module's own package is one level up
+    return ".".join([*base, module] if module else base)
+
+
+def test_integrations_never_import_training():
+    offenders = [
+        f"{path.relative_to(INTEGRATIONS)} imports {target}"
+        for path in sorted(INTEGRATIONS.rglob("*.py"))
+        for level, module in _imports(path)
+        if (target := _resolve(path, level, module)).startswith("hf_varlen.training")
+    ]
+    assert offenders == []

@@ -2,9 +2,9 @@
 
     transformers.py      the ``varlen_packed`` AttentionInterface + mask function, check_model
     linear_attention.py  install_linear_attention: gated DeltaNet layers restart per document
-    kernelize/           kernelize(model): fused RMSNorm / RoPE / GLU (+ loss, LoRA) on a built model
+    kernelize/           kernelize(model): fused RMSNorm / RoPE / GLU (+ loss, LoRA) in a model
     fused_loss/          install_fused_cross_entropy: the fused linear cross-entropy as the HF loss
-    trainers/            VarlenTrainer, VarlenSFTTrainer, VarlenDPO/GRPOTrainer, OffsetsCheckCallback
+    trainers/            VarlenTrainer, VarlenSFTTrainer, VarlenDPO/GRPOTrainer, callbacks
     hub/                 the kernel-hub package (layers, FlashAttention-style entry points, builder)
 
 The flat module paths of earlier releases (``integrations.loss``, ``.trl``, ``.hub_package``, ...)

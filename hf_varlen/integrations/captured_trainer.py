@@ -1,4 +1,4 @@
-"""Moved to ``hf_varlen.integrations.trainers.captured``; this path warns and is removed next release."""
+"""Deprecated alias, kept for one release: importing it warns and gives the module below."""
 
 from .._moved import moved
 

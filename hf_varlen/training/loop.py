@@ -40,10 +40,10 @@ import torch
 import torch.nn.functional as F
 from safetensors import SafetensorError
 
+from ..captured_step import capture_bytes
 from ..coverage import check_pending_offsets
 from ..packing import ExampleCountBatchSampler, TokenBudgetBatchSampler, rank_imbalance
 from . import checkpoint as ckpt
-from .auto_mode import capture_bytes
 from .compiling import ModelCompiler, check_compile
 from .config import PROFILE_DIR, TENSORBOARD_DIR, TrainConfig
 from .data import (

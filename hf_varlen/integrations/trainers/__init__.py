@@ -1,7 +1,7 @@
 """hf_varlen inside ``transformers.Trainer`` and TRL's trainers.
 
     captured.py    CapturedStepMixin, VarlenTrainer: the CUDA-graph step (training_step override)
-    sft.py         VarlenSFTTrainer: TRL's SFTTrainer with the fused linear cross-entropy (needs trl)
+    sft.py         VarlenSFTTrainer: TRL's SFTTrainer with the fused cross-entropy (needs trl)
     preference.py  VarlenDPOTrainer, VarlenGRPOTrainer: packed log-prob passes (needs trl)
     callbacks.py   OffsetsCheckCallback: reads the deferred offsets checks in time
 

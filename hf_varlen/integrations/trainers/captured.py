@@ -13,7 +13,7 @@ packing) is padded on the device to a static shape (``pad_to_bucket``: the first
 ``hf_varlen.bucket_ladder`` >= T, one extra segment of pad tokens with label -100, ``cu_seq_lens``
 extended to a power-of-two length with zero-length documents), and its forward + backward is
 replayed from a CUDA graph captured the first time that shape is seen
-(``hf_varlen.training.graphs.GraphedStep.forward_backward``). The loss the graph computes is the
+(``hf_varlen.captured_step.GraphedStep.forward_backward``). The loss the graph computes is the
 one the eager step computes (``compute_loss`` without its host-side metric work; the label count
 ``num_items_in_batch`` and Trainer's gradient-accumulation scale are device tensors filled per
 call), so the returned loss and the gradients are the eager step's; padding adds no label.
@@ -23,8 +23,8 @@ the scheduler and ``zero_grad`` itself: capturing them would mean replacing that
 once in the log. With a fused AdamW (``optim="adamw_torch_fused"``) that is a few launches.
 
 Modes (``cuda_graphs``): ``"on"`` raises where capture cannot work, naming the reason; ``"auto"``
-(default) decides at the first micro-batch by the rule of ``hf_varlen.training.auto_mode`` (real
-tokens per micro-batch, free memory) and otherwise falls back to Trainer's eager step with one
+(default) decides at the first micro-batch by the rule of ``hf_varlen.captured_step.auto_mode``
+(real tokens per micro-batch, free memory) and otherwise falls back to Trainer's eager step with one
 logged line saying why; ``"off"`` is Trainer's step. Cannot work: no CUDA device, DeepSpeed (its
 engine owns backward and the gradient partitions), FSDP (per-layer all-gathers and host
 bookkeeping), several processes (DDP's all-reduce is eager) or ``DataParallel`` (``n_gpu > 1``),
@@ -36,7 +36,7 @@ recompute must restore the RNG state on the host), a forward that synchronises w
 enabled with ``preserve_rng_state=False`` (nothing random to replay), said once.
 
 Mixed precision (``bf16=True`` over fp32 weights, TRL's default): the captured forward opens its
-own autocast region with the weight-cast cache off (``training/graphs.py`` explains why).
+own autocast region with the weight-cast cache off (``captured_step/graphs.py`` explains why).
 """
 
 from __future__ import annotations
@@ -48,9 +48,8 @@ from typing import Any
 import torch
 from transformers import Trainer
 
+from ...captured_step import GraphedStep, StepMode, capture_bytes, choose_step_mode, model_blockers
 from ...packing import bucket_ladder
-from ...training import auto_mode
-from ...training import graphs as graphs_mod
 
 __all__ = ["CaptureError", "CapturedStepMixin", "VarlenTrainer", "pad_to_bucket"]
 
@@ -130,10 +129,10 @@ class CapturedStepMixin:
             )
         self.cuda_graphs = cuda_graphs
         self._buckets = bucket_ladder(max_tokens_per_batch or self._default_max_tokens())
-        self._graphed: graphs_mod.GraphedStep | None = None
-        self._step_mode: auto_mode.StepMode | None = None  # decided at the first micro-batch
+        self._graphed: GraphedStep | None = None
+        self._step_mode: StepMode | None = None  # decided at the first micro-batch
         if cuda_graphs == "off":
-            self._step_mode = auto_mode.StepMode(False, "off: requested")
+            self._step_mode = StepMode(False, "off: requested")
         elif cuda_graphs == "on":  # what is known now is refused now, before any training
             static = self._static_blockers()
             if static:
@@ -265,10 +264,10 @@ class CapturedStepMixin:
                     for p in unwrapped.parameters()
                     if p.requires_grad
                 )
-                need = auto_mode.capture_bytes(tokens, hidden, layers) + state
+                need = capture_bytes(tokens, hidden, layers) + state
         lora = hasattr(unwrapped, "peft_config")
         try:
-            mode = auto_mode.choose_step_mode(
+            mode = choose_step_mode(
                 self.cuda_graphs,
                 device=device,
                 real_tokens=int(inputs["input_ids"].shape[-1]) if not blockers else None,
@@ -292,7 +291,7 @@ class CapturedStepMixin:
         def loss_fn(m, batch, n_items):
             return self._captured_loss(m, batch, n_items) * self._ga_scale
 
-        self._graphed = graphs_mod.GraphedStep(
+        self._graphed = GraphedStep(
             model,
             self.optimizer,
             loss_fn,
@@ -311,7 +310,7 @@ class CapturedStepMixin:
     def _checkpointing(self, unwrapped) -> tuple[list[str], str]:
         """Gradient checkpointing without the RNG stash (re-enabled so where the model has no
         dropout); returns (blockers, a note for the log)."""
-        reasons = graphs_mod.model_blockers(unwrapped)
+        reasons = model_blockers(unwrapped)
         if not reasons:
             return [], ""
         if any("dropout" in r for r in reasons):
@@ -329,7 +328,7 @@ class CapturedStepMixin:
             )
         else:
             unwrapped.gradient_checkpointing_enable(gradient_checkpointing_kwargs=user)
-        left = graphs_mod.model_blockers(unwrapped)
+        left = model_blockers(unwrapped)
         note = "; gradient checkpointing re-enabled with preserve_rng_state=False (no dropout)"
         return left, note if not left else ""
 
@@ -340,7 +339,7 @@ class CapturedStepMixin:
         )
         if self.cuda_graphs == "on":
             raise CaptureError("cuda_graphs='on': " + reason) from exc
-        self._step_mode = auto_mode.StepMode(False, "auto: " + reason)
+        self._step_mode = StepMode(False, "auto: " + reason)
         self._graphed = None
         logger.warning("hf_varlen training step: %s", self._step_mode.text)
 
