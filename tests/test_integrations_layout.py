@@ -1,5 +1,6 @@
-"""``hf_varlen.integrations``: one package per concept, the old flat module paths kept for one
-release (they warn and are the moved module itself), and the import rule of docs/ARCHITECTURE.md
+"""``hf_varlen.integrations``: one package per concept, the old flat module paths (and
+``training.auto_mode``, now ``captured_step``) kept for one release (they warn and are the moved
+module itself), and the import rule of docs/ARCHITECTURE.md
 (integrations/ never imports training/)."""
 
 from __future__ import annotations
@@ -13,27 +14,28 @@ from pathlib import Path
 import pytest
 
 INTEGRATIONS = Path(__file__).resolve().parents[1] / "hf_varlen" / "integrations"
-MOVED = {
-    "hub_layers": "hub.layers",
-    "hub_attention": "hub.attention",
-    "hub_package": "hub.package",
-    "kernelize_probes": "kernelize.probes",
-    "peft_lora": "kernelize.peft_lora",
-    "loss": "fused_loss",
-    "loss_audit": "fused_loss.audit",
-    "loss_head": "fused_loss.head",
-    "captured_trainer": "trainers.captured",
-    "trainer_callbacks": "trainers.callbacks",
-    "trl": "trainers.sft",
-    "trl_preference": "trainers.preference",
+MOVED = {  # old path -> new path, both under hf_varlen
+    "integrations.hub_layers": "integrations.hub.layers",
+    "integrations.hub_attention": "integrations.hub.attention",
+    "integrations.hub_package": "integrations.hub.package",
+    "integrations.kernelize_probes": "integrations.kernelize.probes",
+    "integrations.peft_lora": "integrations.kernelize.peft_lora",
+    "integrations.loss": "integrations.fused_loss",
+    "integrations.loss_audit": "integrations.fused_loss.audit",
+    "integrations.loss_head": "integrations.fused_loss.head",
+    "integrations.captured_trainer": "integrations.trainers.captured",
+    "integrations.trainer_callbacks": "integrations.trainers.callbacks",
+    "integrations.trl": "integrations.trainers.sft",
+    "integrations.trl_preference": "integrations.trainers.preference",
+    "training.auto_mode": "captured_step.auto_mode",
 }
 
 
 @pytest.mark.parametrize("old", sorted(MOVED))
 def test_old_path_warns_and_is_the_new_module(old, monkeypatch):
-    if old in ("trl", "trl_preference"):
+    if old in ("integrations.trl", "integrations.trl_preference"):
         pytest.importorskip("trl")
-    old_name, new_name = f"hf_varlen.integrations.{old}", f"hf_varlen.integrations.{MOVED[old]}"
+    old_name, new_name = f"hf_varlen.{old}", f"hf_varlen.{MOVED[old]}"
     new = importlib.import_module(new_name)
     monkeypatch.delitem(sys.modules, old_name, raising=False)
     with warnings.catch_warnings(record=True) as caught:
