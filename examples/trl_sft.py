@@ -33,8 +33,8 @@ but the loss is hf_varlen's fused linear cross-entropy instead of TRL's fused LM
 With a real tokenizer the tiny model has the tokenizer's vocabulary (151,936 entries for Qwen2's),
 so its LM head dominates on a CPU: the defaults keep a step small (4 examples, or 4 rows of up to
 128 tokens), and ``--fused-loss`` is the faster loss there. With the same examples in one step,
-every mode gives the same per-token loss (tests/test_trl.py), and ``--fused-loss`` the same loss as
-TRL's head (tests/test_trl_fused_loss.py).
+every mode gives the same per-token loss (tests/integrations/test_trl.py), and ``--fused-loss``
+the same loss as TRL's head (tests/integrations/test_trl_fused_loss.py).
 """
 
 from __future__ import annotations

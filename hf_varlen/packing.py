@@ -18,7 +18,7 @@ Buckets (static shapes): ``bucket_ladder(B)`` is the default ladder of packed le
 ``PackingCollator(pad_to_buckets=...)``: rung ``i`` is ``m * ceil(2^(i/k))`` (``m = multiple``,
 ``k = steps_per_doubling``) below ``B``, then ``B`` itself. A pack of ``n`` tokens is padded to the
 first rung ``>= n``: fewer than ``n * (2^(1/k) - 1) + m`` extra tokens. Measured on the shared
-alpaca with the Qwen2 tokenizer (``scripts/bucket_ladder.py``; k = 8, m = 64): 4.9 % / 4.2 % /
+alpaca with the Qwen2 tokenizer (``scripts/gpu_evidence/bucket_ladder.py``; k = 8, m = 64): 4.9 % / 4.2 % /
 4.8 % extra tokens in 13 / 9 / 5 distinct shapes at 8 / 32 / 128 examples per batch, 0.1 % in 2
 shapes for a 16K-token budget; multiples of 256 cost 19 % at 8 examples.
 

@@ -215,7 +215,7 @@ def _kernel_fns() -> dict:
 def tune(all_cases, names, heads, dtype, tune_set="short"):
     """Time every candidate config (x GQA fold) of each kernel on each case; print the best, with
     the registers and spills of each candidate's compiled kernel (spilling long-path kernels at
-    head dim 128 were found in run M)."""
+    head dim 128 were found this way)."""
     fwd_c, dq_c, dkdv_c = CANDIDATES[tune_set]
     fns = _kernel_fns()
     out, variants = [], {}  # (heads, kernel, config, fold) -> compiled variants (first compile)

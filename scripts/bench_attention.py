@@ -3,7 +3,7 @@
 Providers go through ``hf_varlen.varlen_attention(..., backend=X)`` (triton, torch, flex, fa4,
 flash_attn) plus ``sdpa_padded``: torch SDPA (causal) on the zero-padded (n_docs, H, L_max, D) batch.
 For flex the document BlockMask build is timed separately (the attention timings reuse the mask, as
-all layers of one forward do). Useful FLOPs (ANCHORS.md): sum over documents of 4 * L^2 * D * H_q / 2
+all layers of one forward do). Useful FLOPs (FlashAttention's count): sum over documents of 4 * L^2 * D * H_q / 2
 for the causal forward; backward = 2.5x, forward+backward = 3.5x. "floor" is the HBM-traffic bound
 (read q, k, v, write o; backward reads q, k, v, o, dO, writes dq, dk, dv) at 4.3 TB/s.
 "match" applies the numerics rule of TESTING.md (hf_varlen.testing) to the output and, for packs

@@ -61,7 +61,7 @@ Metrics per run, over the steps after ``--warmup`` that neither compiled nor cap
 (graph modes capture each new bucket shape the first time it comes, possibly after the warm-up;
 such steps are counted in the cell and their excess time goes to the compile time): real tokens/s,
 peak GiB (``max_memory_allocated``), MFU = model FLOPs incl. attention / ``--peak-tflops`` (790 on
-the H200, ANCHORS.md), the padding share of the tensors, and the per-step loss. Loss equality: each mode's
+the H200, as measured), the padding share of the tensors, and the per-step loss. Loss equality: each mode's
 per-step losses against ``padded_sdpa`` (same examples, same order). ``--repeats R`` runs every
 cell R times, interleaved across the modes of a batch size in alternating order (A B, B A, ...),
 and the tables show the run of median tokens/s with the range: host-bound cells (batch 8 on the
@@ -107,7 +107,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from e2e_peers import PEERS  # noqa: E402  (no torch, no hf_varlen: cheap)
 
 SHARED = ROOT.parent / "shared" / "data"
-PEAK_TFLOPS_H200 = 790.0  # dense bf16 matmul peak as measured on our H200 (ANCHORS.md)
+PEAK_TFLOPS_H200 = 790.0  # dense bf16 matmul peak as measured on our H200
 MINIMAL_ATTN = "bench_minimal_varlen"
 
 # The two configurations the modes vary: hf_varlen in full, and the 15-line integration.

@@ -21,8 +21,8 @@ Runs, each a real ``hf-varlen train`` (accelerate-launched when several processe
 
 All with --no-shuffle: the sampler deals its fixed order of packs to the ranks, so step s of an
 N-process run trains on exactly the packs of step s of the one-process run with accumulation N
-(tests/test_train_distributed.py), and the per-step losses must agree (to rounding in fp32, to
-bf16 tolerance in bf16; the table gives the largest relative difference). Per run: tokens/s (all
+(tests/training/test_train_distributed.py), and the per-step losses must agree (to rounding in fp32,
+to bf16 tolerance in bf16; the table gives the largest relative difference). Per run: tokens/s (all
 processes), tokens/s per process, scaling efficiency (tokens/s / (N x the one-process run's of the
 same precision), skipping step 1 as the summary does), peak memory per rank, and the rank
 imbalance (max / mean real tokens of a step over the ranks, from the trainer's summary). Every

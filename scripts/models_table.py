@@ -4,7 +4,7 @@ varlen_packed (supported / refused and why), from the checks in tests/model_fami
     PYTHONPATH=$PWD python scripts/models_table.py            # all families (~10-20 min CPU)
     PYTHONPATH=$PWD python scripts/models_table.py --check    # exit 1 if the page is stale
 
-tests/test_all_families.py (marked slow) runs the same checks and compares with the page.
+tests/models/test_all_families.py (marked slow) runs the same checks and compares with the page.
 """
 
 from __future__ import annotations

@@ -19,6 +19,11 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+# The shared helpers (attn_cases, tiny_packed, tiny_runs, model_families, traced_triton_compile)
+# live here, beside the per-folder test files that import them by module name.
+if str(Path(__file__).parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).parent))
+
 SHARED_DATA = Path(
     os.environ.get("HF_VARLEN_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data")
 )
@@ -73,6 +78,15 @@ def _fresh_accelerate_state():
     state = sys.modules.get("accelerate.state")
     if state is not None:
         state.AcceleratorState._reset_state(reset_partial_state=True)
+
+
+@pytest.fixture
+def tiny_model():
+    """Builds the shared tiny decoder (tiny_packed.TINY): ``tiny_model(kind="llama",
+    attn="varlen_packed", **config_overrides)``, seeded, without KV cache."""
+    from tiny_packed import tiny_model
+
+    return tiny_model
 
 
 @pytest.fixture

@@ -6,11 +6,25 @@ tiny_train_config(tmp_path, name, **overrides)   TrainConfig writing to tmp_path
 epoch_train_config(tmp_path, **overrides)        to tmp_path / "run": 48 built-in examples,
                                                  max_length 256, 512-token micro-batches, whole
                                                  epochs (no max_steps)
+HF_CPU_STEPS                                     TrainingArguments / SFTConfig keys of a few
+                                                 logged CPU steps: batch 4, lr 1e-3, a loss per
+                                                 step, nothing saved or reported, seeded
 """
 
 from __future__ import annotations
 
 from hf_varlen.training import TrainConfig
+
+HF_CPU_STEPS = dict(
+    use_cpu=True,
+    per_device_train_batch_size=4,
+    learning_rate=1e-3,
+    logging_steps=1,
+    report_to="none",
+    save_strategy="no",
+    seed=0,
+    data_seed=0,
+)
 
 
 def tiny_train_config(tmp_path, name, **overrides) -> TrainConfig:

@@ -1,7 +1,7 @@
 """Varlen attention backends. Importing this package registers every adapter.
 
 "auto" order on CUDA (first available backend that supports the call wins), from our H200
-measurements of forward+backward (docs/BENCHMARKS.md, runs K, L and M): our ``triton`` kernel
+measurements of forward+backward (docs/BENCHMARKS.md): our ``triton`` kernel
 leads on packs of short documents (FA4 takes 2.0x our time on real alpaca 64K and 1.5x on alpaca
 64K with one 4K document; torch 2.3x), so it comes first. Packs of long documents go to another
 backend first where it is faster (``registry.LongDocumentsRule``, evaluated on the shapes and
@@ -15,9 +15,9 @@ max_seqlen):
   on 64K of 256-token documents and 1.53x on alpaca 64K with one 8K document).
 
 At head dims <= 128 our kernel is ahead of torch on every measured pack but one: 16/16/64 on
-8 x 8K, where torch takes 0.96x our time (run M; the rules do not see head counts, and 32/8/64
+8 x 8K, where torch takes 0.96x our time (the rules do not see head counts, and 32/8/64
 there takes torch 1.11x ours). Head dim 64's long path had lost to torch from 2048-token
-documents until its launches stopped being persistent (run M: 1.5x faster on 8 x 8K, 32K + 32K
+documents until its launches stopped being persistent (1.5x faster on 8 x 8K, 32K + 32K
 and 128K), so the torch rule it had is gone.
 
 Then FA2, torch's bundled FA2 (always present), flex (pays a mask build per batch), xformers,

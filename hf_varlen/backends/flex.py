@@ -124,7 +124,7 @@ def _flex_call(q, k, v, metadata, params):
     pad_q, pad_k = -t_q % _BLOCK, -k.shape[0] % _BLOCK
     if torch.compiler.is_compiling():
         # Traced: always 1-128 pad tokens. Whether a pad is 0 would be a guard (an aligned pack
-        # compiled a graph of its own: AOT autograd guarded on the padded size != T, H200, daaa88c);
+        # compiled a graph of its own: AOT autograd guarded on the padded size != T, H200);
         # 128 - T % 128 is provably nonzero. An aligned pack pays one extra block.
         pad_q, pad_k = _BLOCK - t_q % _BLOCK, _BLOCK - k.shape[0] % _BLOCK
     if torch.compiler.is_compiling() or pad_q or pad_k:

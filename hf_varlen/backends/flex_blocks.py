@@ -11,9 +11,9 @@ key block are two difference arrays and a cumulative sum.
 
 It is one opaque ``torch.library`` op with a fake, so torch.compile traces none of it. Inductor in
 torch 2.11 (H200) fails on both halves of the traced build under dynamic token counts:
-``create_block_mask``'s tables (``CantSplit`` on the ``(blocks, blocks)`` reshapes, commit a4f1b57)
-and ``searchsorted`` over offsets computed in the graph (``NotImplementedError: SliceView``,
-635f678). Eager, the mask build needs no compile of its own either.
+``create_block_mask``'s tables (``CantSplit`` on the ``(blocks, blocks)`` reshapes)
+and ``searchsorted`` over offsets computed in the graph (``NotImplementedError: SliceView``).
+Eager, the mask build needs no compile of its own either.
 
 Shapes (``nq = total_q // block``, ``nk = total_k // block``; totals are multiples of ``block``;
 tokens past ``cu[-1]`` form one trailing padding document, so N + 1 documents in all)::

@@ -75,8 +75,8 @@ _REGISTRY: dict[str, BackendSpec] = {}
 # order comes from our own H200 measurements (docs/BENCHMARKS.md): see hf_varlen/backends/__init__.py.
 _AUTO_ORDER: dict[str, list[str]] = {"cuda": [], "cpu": []}
 # Tried before _AUTO_ORDER when a call's documents are long enough for them to be faster than
-# the backends ahead of them (``LongDocumentsRule``; docs/BENCHMARKS.md runs K and L: H200, bf16,
-# forward+backward). The defaults are FA4's switch against our kernel (run K, 32/8/128).
+# the backends ahead of them (``LongDocumentsRule``; docs/BENCHMARKS.md: H200, bf16,
+# forward+backward). The defaults are FA4's switch against our kernel (32/8/128 heads).
 MEAN_DOCUMENT_TOKENS = 448  # lima 64K (mean 489), 64K of 512-token documents: FA4 0.93-0.98x ours
 LONG_DOCUMENT_TOKENS = 2048  # a longest document below this never decides alone
 LONG_DOCUMENT_WORK = 1600  # max^2 / (T - max): 8K + alpaca 56K 1170 (ours), 32K + 32K 32768 (FA4)
@@ -167,7 +167,7 @@ def long_documents(
     ``max_seqlen``, never the lengths: no device read). Either its documents are long on average
     (T / n_docs >= mean_tokens), or (work_ratio set) its longest one does more attention work than
     the rest (quadratic in max, linear in T - max for short documents) by that ratio. With the
-    defaults, on the H200 (BENCHMARKS run K) this matches the faster of triton and FA4 on every
+    defaults, on the H200 (docs/BENCHMARKS.md) this matches the faster of triton and FA4 on every
     measured pack: alpaca 16K / 64K, 64K of 256-token documents and alpaca packs with one 1K / 4K /
     8K document are short; lima 64K, 64K of 512-4096-token documents, 128+128+4096, 8 x 8K,
     32K + alpaca 32K, 128K long. A max_seqlen of >= T over several documents is a bound, not a

@@ -83,7 +83,7 @@ def _dispatches_through_interface(model_cls: type) -> bool:
     ``ALL_ATTENTION_FUNCTIONS``: then the class flag ``_supports_attention_backend = False`` is
     stale (transformers moves families onto the interface release by release and some, e.g.
     stablelm and the hybrid Qwen3-Next / Qwen3.5 / OLMo-hybrid, keep the flag), and the family
-    runs under varlen_packed; tests/test_all_families.py proves each such family exact."""
+    runs under varlen_packed; tests/models/test_all_families.py proves each such family exact."""
     module = sys.modules.get(model_cls.__module__)
     try:
         source = inspect.getsource(module) if module is not None else ""

@@ -489,6 +489,12 @@ def backward_dkdv(
     streamed = (q, do) if dq_acc is None else (q, do, dq_acc)
     descs = stream_descriptors(tma, q.device, streamed, tile, fold, common["BLOCK_D"])
     use_tma = descs is not None
+    if use_tma and dq_acc is not None:
+        # The fused dQ multiplies by a second copy of the key tile (its non-finite rows zeroed:
+        # another document's inf must not reach dQ as 0 * inf), which beside the descriptors'
+        # staging buffers overflows Hopper's 227 KiB of shared memory at the shipped depth. Give
+        # up the stages that copy takes: each stage holds a Q and a dO block of block_m rows.
+        num_stages = max(1, num_stages - -(-block_n // (2 * block_m)))
     if not use_tma:
         descs = (q, do, acc)  # placeholders, never read
     elif dq_acc is None:

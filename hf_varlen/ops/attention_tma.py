@@ -4,7 +4,7 @@ A launch whose config sets ``KernelConfig.tma`` loads those blocks through a des
 whole packed tensor instead of per-lane pointers: K and V in the forward and dQ kernels, Q and dO
 in the dK/dV kernel. The copy engine then moves each block into shared memory, so the kernel
 spends no registers on the block's addresses and masks. Compiled for sm_90 with triton 3.6
-(scripts/kernel_resources.py, docs/BENCHMARKS.md), the 32/8/128 kernels, which all sit at the
+(scripts/gpu_evidence/kernel_resources.py, docs/BENCHMARKS.md), the 32/8/128 kernels, which all sit at the
 255-register cap, spill about half as much (long forward 262 -> 142 spill instructions, long dK/dV
 136 -> 72; the short dK/dV's 13 and the short forward's 8 go to 0) and the dQ kernels need fewer
 registers (short 255 -> 189). On the H200 that buys no time (docs/BENCHMARKS.md run Q: f+b

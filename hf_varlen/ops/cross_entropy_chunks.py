@@ -34,7 +34,7 @@ _CHUNK_BYTES_DEFAULT = 1 << 26
 # fp32 inputs: dh sums its V products in blocks of this many vocabulary columns, each block's
 # product added into the fp32 output. One K = V cuBLAS GEMM in fp32 loses ~1e-6 relative at V 152K
 # on an H200 (60x what its inputs' rounding costs), and propagated through the model that made our
-# fp32 gradients ~3x noisier than a vocab-tiled head such as TRL's (tests/test_trl_fused_loss.py).
+# fp32 gradients ~3x noisier than a vocab-tiled head such as TRL's (tests/integrations/test_trl_fused_loss.py).
 # In bf16/fp16 the output's own rounding (2^-9) dwarfs that, so one GEMM is kept there.
 DH_VOCAB_BLOCK_FP32 = 16384
 

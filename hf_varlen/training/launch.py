@@ -3,6 +3,8 @@
 ``cpu_requested()`` decides ``Accelerator(cpu=...)`` and refuses a launch that would run one process
 where several were asked for; ``distribution(acc)`` names the data-parallel scheme for the summary
 and refuses an FSDP launch that accelerate runs unsharded. Both raise before anything is loaded.
+``release_stale_state(mixed)`` lets a second run in one single-process session use another
+precision.
 """
 
 from __future__ import annotations
@@ -12,6 +14,23 @@ import os
 import torch
 
 from ..ops.common import env_flag
+
+
+def release_stale_state(mixed_precision: str) -> None:
+    """Forget accelerate's process-wide state when it holds another mixed precision and this is
+    one process outside any launcher: accelerate refuses a second ``Accelerator`` of another
+    precision, so a notebook or a sweep that runs bf16-mixed and then fp32 would fail. Under a
+    launcher (several processes, a process group) the state is the launcher's and stays."""
+    from accelerate.state import AcceleratorState
+
+    shared = AcceleratorState._shared_state
+    if not shared or shared.get("_mixed_precision") == mixed_precision:
+        return
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 or (
+        torch.distributed.is_available() and torch.distributed.is_initialized()
+    ):
+        return
+    AcceleratorState._reset_state(reset_partial_state=True)
 
 
 def distribution(acc) -> str:

@@ -56,7 +56,7 @@ from .data import (
     tokenize,
 )
 from .graphs import GraphedStep, model_blockers, resolve_graphs
-from .launch import cpu_requested, distribution
+from .launch import cpu_requested, distribution, release_stale_state
 from .metrics import (
     RunLogger,
     environment,
@@ -201,6 +201,7 @@ class PackedTrainer:
         # The process group's timeout applies where this Accelerator creates the group (a
         # launched script that made it earlier keeps its own).
         group = InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=cfg.ddp_timeout))
+        release_stale_state("bf16" if mixed else "no")
         self.acc = Accelerator(
             mixed_precision="bf16" if mixed else "no",
             step_scheduler_with_optimizer=False,

@@ -58,6 +58,17 @@ _PACKED_KEYS = ("input_ids", "labels", "position_ids", "seq_idx")
 _DEFAULT_MAX_TOKENS = 1 << 20  # ladder top when the micro-batch size is unknown
 
 
+def checkpointing_kwargs(args) -> dict[str, Any]:
+    """The user's recomputation options from TrainingArguments, a copy: transformers 5.25 names
+    them ``activation_checkpointing_kwargs`` (``gradient_checkpointing_kwargs`` its deprecated
+    alias); earlier releases have only the old name, which must not be ignored there."""
+    for name in ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs"):
+        value = getattr(args, name, None)
+        if value:
+            return dict(value)
+    return {}
+
+
 class CaptureError(RuntimeError):
     """``cuda_graphs="on"`` asked for a captured step that cannot work here (reason inside)."""
 
@@ -161,7 +172,7 @@ class CapturedStepMixin:
             reasons.append(f"DataParallel over {args.n_gpu} GPUs replicates the model per step")
         if getattr(args, "activation_offloading", False):
             reasons.append("activation offloading copies activations to host memory")
-        offload = (getattr(args, "activation_checkpointing_kwargs", None) or {}).get("offload")
+        offload = checkpointing_kwargs(args).get("offload")
         if offload:
             reasons.append("activation_checkpointing_kwargs offload copies to host memory")
         if getattr(args, "torch_compile_mode", None) == "reduce-overhead":
@@ -315,7 +326,7 @@ class CapturedStepMixin:
             return [], ""
         if any("dropout" in r for r in reasons):
             return reasons, ""
-        user = dict(getattr(self.args, "activation_checkpointing_kwargs", None) or {})
+        user = checkpointing_kwargs(self.args)
         if user.get("preserve_rng_state") is True:
             return reasons, ""
         every = user.pop("every_n_layers", 1)

@@ -33,7 +33,7 @@ head itself returns). Nothing of TRL or transformers is patched; the seams:
 
 Exactness: every row attends only to itself (``varlen_packed`` with the row offsets), with
 positions ``0..n-1`` of its real tokens; with relative position encodings (RoPE) that is the padded
-computation up to rounding, for left-padded rows too (tests/test_trl_preference.py checks the
+computation up to rounding, for left-padded rows too (tests/integrations/test_trl_preference.py checks the
 log-probs, entropies and gradients under the numerics rule). Refused with a clear error: vision
 inputs (``pixel_values`` and the like: a packed multimodal row needs its own position layout) and
 models without ``attn_implementation="varlen_packed"`` (packed rows would attend across rows).

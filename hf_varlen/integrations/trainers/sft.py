@@ -48,7 +48,7 @@ Precision under bf16 autocast: the fused op follows ``nn.Linear`` (the head's lo
 gradients returned in bf16, as transformers' own head computes them); TRL's head accumulates and
 returns the head's gradients in fp32, so it tracks an fp32 run more closely (tiny Llama, one SGD
 step at lr 1: loss 4.5e-3 from fp32 with ours, 1.2e-3 with TRL's head; within the numerics rule of
-transformers' own head, tests/test_trl_fused_loss.py). In fp32 both agree to rounding: TRL's head
+transformers' own head, tests/integrations/test_trl_fused_loss.py). In fp32 both agree to rounding: TRL's head
 sums the hidden-state gradient over vocabulary tiles in fp32, and so does the fused op in fp32
 (``cross_entropy_chunks.DH_VOCAB_BLOCK_FP32``; one GEMM over all 152K columns was ~3x noisier on
 the H200).
