@@ -27,6 +27,8 @@ import dataclasses
 
 import torch
 
+from .ops.common import offsets_violation
+
 __all__ = ["DEFERRED", "DeferredChecks", "check_now", "check_pending_offsets", "coverage_error"]
 
 DEFER_DEVICES = {"cuda"}  # device types whose checks are read back without a sync
@@ -41,7 +43,8 @@ def _stats(cu_q: torch.Tensor, cu_k: torch.Tensor, extra=()) -> torch.Tensor:
 
 
 def coverage_error(host, total_q: int, total_k: int, max_q: int, max_k: int) -> str | None:
-    """What is wrong with offsets whose ``_stats`` are ``host`` (a list of ints), or None."""
+    """What is wrong with offsets whose ``_stats`` are ``host`` (a list of ints), or None: the
+    rule of ``ops.common.offsets_violation``, worded for the collator's fields."""
     hint = (
         "the collator's documents must cover every token of the batch exactly once (did "
         "position_ids / input_ids change after collation, or was the batch truncated?)"
@@ -50,16 +53,17 @@ def coverage_error(host, total_q: int, total_k: int, max_q: int, max_k: int) -> 
         ("q", host[:4], total_q, max_q),
         ("k", host[4:8], total_k, max_k),
     ):
-        if first != 0 or last != total or shortest < 0:
+        broken = offsets_violation(first, last, shortest, longest, total, max_len)
+        if broken == "max":
+            return (
+                f"max_length_{side} is {max_len} but cu_seq_lens_{side} holds a {longest}-token "
+                f"document; max_length_{side} must be at least the longest document"
+            )
+        if broken is not None:
             return (
                 f"cu_seq_lens_{side} runs from {first} to {last} (smallest step {shortest}) but "
                 f"the batch has {total} tokens: it must start at 0, never decrease and end at "
                 f"{total}; " + hint
-            )
-        if longest > max_len:
-            return (
-                f"max_length_{side} is {max_len} but cu_seq_lens_{side} holds a {longest}-token "
-                f"document; max_length_{side} must be at least the longest document"
             )
     return None
 

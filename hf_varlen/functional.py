@@ -7,7 +7,10 @@ dtypes, devices, shapes, head counts), full checks that need a device sync (mono
 cu[-1] == T, max_seqlen >= the true maximum) with ``validate=True`` or ``HF_VARLEN_VALIDATE=1``
 (backends that copy the offsets to the host anyway, sdpa / reference / xformers, always run them).
 The call is then described once, as ``VarlenMetadata`` + ``AttentionParams``, and handed to the
-backend (hf_varlen/backends/registry.py has the backend signature).
+backend by ``dispatch(q, k, v, metadata, params, backend)`` (hf_varlen/backends/registry.py has the
+backend signature). The transformers integration enters at ``dispatch`` too, with the metadata
+``metadata.py`` built and checked once per batch and the params ``batch_call`` built once per batch
+and kind of layer: no per-layer validation on that route.
 
 Under torch.compile (and for fake tensors): the sync-needing checks are skipped (validate / HF_VARLEN_VALIDATE are for
 eager debugging), max_seqlen_q/k may be SymInts, and a backend torch.compile cannot trace
@@ -21,9 +24,9 @@ from numbers import Integral
 
 import torch
 
-from .backends import AttentionParams, Request, VarlenMetadata, resolve
-from .backends._common import traced
+from .backends import AttentionParams, Request, resolve
 from .backends.opaque import call_opaque
+from .metadata import BatchState, VarlenMetadata
 from .ops.common import (
     attention_scale,
     attention_softcap,
@@ -31,6 +34,8 @@ from .ops.common import (
     check_sinks,
     deterministic_requested,
     env_flag,
+    max_length_int,
+    tracing,
 )
 
 
@@ -49,36 +54,8 @@ def _check_cu(name: str, cu, device) -> None:
         raise ValueError(f"{name} must be on the same device as q ({device}), got {cu.device}")
 
 
-def _check_max(name: str, value) -> int:
-    if isinstance(value, torch.Tensor):
-        raise TypeError(
-            f"{name} must be a Python int, got a tensor; convert it once per batch "
-            f"(int({name}.item())) rather than once per layer"
-        )
-    if isinstance(value, torch.SymInt):  # under torch.compile: kept symbolic (int() specialises)
-        return value
-    if not isinstance(value, Integral) or value < 0:
-        raise TypeError(f"{name} must be a non-negative int, got {value!r}")
-    return int(value)
-
-
-def validate_inputs(
-    q,
-    k,
-    v,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_q,
-    max_seqlen_k,
-    softmax_scale,
-    window_size,
-    softcap,
-    dropout_p,
-    full: bool,
-):
-    """Host-side checks; raises TypeError/ValueError naming the argument. Returns the normalised
-    (max_seqlen_q, max_seqlen_k, softmax_scale, softcap) (ops/common.py: attention_scale and
-    attention_softcap, the one policy of every backend)."""
+def _check_qkv(q, k, v) -> None:
+    """q, k, v: packed (T, H, D) tensors of one floating dtype and device, GQA-compatible heads."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -105,16 +82,12 @@ def validate_inputs(
             f"the number of query heads ({q.shape[1]}) must be a multiple of the number of "
             f"key/value heads ({k.shape[1]})"
         )
-    _check_cu("cu_seqlens_q", cu_seqlens_q, q.device)
-    _check_cu("cu_seqlens_k", cu_seqlens_k, q.device)
-    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
-        raise ValueError(
-            f"cu_seqlens_q and cu_seqlens_k must describe the same number of documents, got "
-            f"{cu_seqlens_q.numel() - 1} and {cu_seqlens_k.numel() - 1}"
-        )
-    max_q = _check_max("max_seqlen_q", max_seqlen_q)
-    max_k = _check_max("max_seqlen_k", max_seqlen_k)
-    softmax_scale = attention_scale(softmax_scale, q.shape[2])
+
+
+def _check_keywords(head_dim: int, softmax_scale, window_size, softcap, dropout_p):
+    """The FA-2 keywords of one call; returns the normalised (softmax_scale, softcap)
+    (ops/common.py: attention_scale and attention_softcap, the one policy of every backend)."""
+    softmax_scale = attention_scale(softmax_scale, head_dim)
     softcap = attention_softcap(softcap)
     if (
         not isinstance(window_size, (tuple, list))
@@ -126,6 +99,39 @@ def validate_inputs(
         )
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    return softmax_scale, softcap
+
+
+def validate_inputs(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    softmax_scale,
+    window_size,
+    softcap,
+    dropout_p,
+    full: bool,
+):
+    """Host-side checks; raises TypeError/ValueError naming the argument. Returns the normalised
+    (max_seqlen_q, max_seqlen_k, softmax_scale, softcap) (ops/common.py: attention_scale and
+    attention_softcap, the one policy of every backend)."""
+    _check_qkv(q, k, v)
+    _check_cu("cu_seqlens_q", cu_seqlens_q, q.device)
+    _check_cu("cu_seqlens_k", cu_seqlens_k, q.device)
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must describe the same number of documents, got "
+            f"{cu_seqlens_q.numel() - 1} and {cu_seqlens_k.numel() - 1}"
+        )
+    max_q = max_length_int("max_seqlen_q", max_seqlen_q)
+    max_k = max_length_int("max_seqlen_k", max_seqlen_k)
+    softmax_scale, softcap = _check_keywords(
+        q.shape[2], softmax_scale, window_size, softcap, dropout_p
+    )
     if full:
         check_offsets("cu_seqlens_q", cu_seqlens_q.tolist(), q.shape[0], max_q)
         check_offsets("cu_seqlens_k", cu_seqlens_k.tolist(), k.shape[0], max_k)
@@ -180,7 +186,7 @@ def varlen_attention(
         (T_q, H_q, D) attention output; an empty pack (T = 0) gives an empty output, and queries
         that see no key give zeros.
     """
-    symbolic = traced(q)  # compiling, or fake tensors: nothing is read back from the device
+    symbolic = tracing(q)  # compiling, or fake tensors: nothing is read back from the device
     if symbolic:  # the full checks read offsets on the host: eager only
         if validate:
             raise ValueError(
@@ -217,7 +223,31 @@ def varlen_attention(
         deterministic=deterministic_requested(deterministic),
         sinks=sinks,
     )
-    spec = resolve(backend, Request.for_call(q, k, v, metadata, params))
+    return dispatch(q, k, v, metadata, params, backend)
+
+
+def dispatch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    metadata: VarlenMetadata,
+    params: AttentionParams,
+    backend: str = "auto",
+    *,
+    request: Request | None = None,
+) -> torch.Tensor:
+    """Internal: run one already checked call on its backend (no validation here).
+
+    ``metadata`` and ``params`` are handed to the backend as they are; the callers checked them:
+    ``varlen_attention`` (the public arguments, per call) or the transformers integration
+    (``metadata.py`` per batch, ``batch_call`` per batch and kind of layer). ``request``: the
+    call's ``Request`` when the caller has it already (``batch_call``'s plan), else built here.
+    The backend is resolved on every call (a few dict lookups): ``set_backend`` and
+    ``$HF_VARLEN_BACKEND`` may change between any two calls.
+    """
+    if request is None:
+        request = Request.for_call(q, k, v, metadata, params)
+    spec = resolve(backend, request)
     if q.shape[0] == 0 or k.shape[0] == 0:
         # An empty pack (or no keys): every query sees nothing, so the output is zeros (FA rule).
         return q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])
@@ -227,6 +257,66 @@ def varlen_attention(
         k = k.contiguous()
     if v.stride(-1) != 1:
         v = v.contiguous()
-    if symbolic and not spec.traceable:
+    if not spec.traceable and tracing(q):
         return call_opaque(spec.name, q, k, v, metadata, params)  # backends/opaque.py
     return spec.fn(q, k, v, metadata, params)
+
+
+_PLANS = BatchState()  # (params, request) per kind of call of the current batch
+
+
+def batch_call(
+    q, k, v, metadata, *, softmax_scale, causal, window_size, softcap, dropout_p, sinks=None
+) -> tuple[AttentionParams, Request]:
+    """The ``AttentionParams`` and ``Request`` of a call on metadata that ``metadata.py`` built and
+    checked, checked and built once per batch and kind of call, not once per layer.
+
+    Every layer of a forward pass gets the same ``metadata`` object (``metadata.py`` caches it on
+    the batch's tensors), and the layers of one model differ in at most a few ways (sliding or
+    full window, the grad mode, their own sinks): so layer 1 checks q, k, v and the keywords and
+    builds the pair, and layers 2..N of that batch find it in ``_PLANS`` (keyed on the metadata
+    object's identity plus everything the pair is derived from; nothing is read from a tensor's
+    values, and a batch whose offsets change in place gets a new metadata object from
+    ``metadata.py``). Under torch.compile nothing is cached (``BatchState``).
+
+    q, k, v: (T_q, H_q, D), (T_k, H_kv, D), (T_k, H_kv, D_v); the keywords as ``varlen_attention``
+    takes them (the deterministic backward as requested by the environment only).
+    """
+    deterministic = deterministic_requested(False)  # the environment may change between calls
+
+    def build() -> tuple[AttentionParams, Request]:
+        _check_qkv(q, k, v)
+        scale, cap = _check_keywords(q.shape[2], softmax_scale, window_size, softcap, dropout_p)
+        params = AttentionParams.create(
+            head_dim=q.shape[-1],
+            causal=bool(causal),
+            window_size=window_size,
+            softmax_scale=scale,
+            softcap=cap,
+            dropout_p=dropout_p,
+            deterministic=deterministic,
+            sinks=check_sinks(sinks, q),
+        )
+        return params, Request.for_call(q, k, v, metadata, params)
+
+    if tracing(q):  # traced once per graph: no key (id() of a traced tensor means nothing)
+        return build()
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    key = (
+        q.shape,
+        k.shape,
+        v.shape,
+        q.dtype,
+        k.dtype,
+        v.dtype,
+        q.device,
+        needs_grad,
+        softmax_scale,
+        bool(causal),
+        tuple(window_size),
+        softcap,
+        dropout_p,
+        deterministic,
+        None if sinks is None else id(sinks),  # held by the plan's params: the id stays its own
+    )
+    return _PLANS.get_or_compute(metadata, key, build)

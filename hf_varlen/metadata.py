@@ -1,4 +1,5 @@
-"""VarlenMetadata builders: where each packed document starts, built once per batch.
+"""``VarlenMetadata``, the one description of a packed batch from collator to kernel, and its
+builders: where each packed document starts, built and checked once per batch.
 
 Sources, in the order the transformers attention function tries them:
   * collator kwargs: ``cu_seq_lens_q/k`` (int32) + ``max_length_q/k`` (int)     -> one check
@@ -26,12 +27,22 @@ is a device tensor. Our triton kernel needs neither max length.
 
 from __future__ import annotations
 
+import weakref
+from dataclasses import dataclass
+
 import torch
 
 from . import coverage
-from .backends._common import traced
-from .backends.params import VarlenMetadata
-from .ops.common import TensorCache
+
+# torch.compile helpers, re-exported for their old import path (hf_varlen.compile_support)
+from .compile_support import (  # noqa: F401
+    MAX_LENGTH_SOURCES,
+    NUM_ITEMS_SOURCES,
+    checkpointed_side_effects,
+    mark_dynamic_pack,
+    symbolic_batch_ints,
+)
+from .ops.common import TensorCache, env_flag, max_length_int, tracing
 
 __all__ = [
     "VarlenMetadata",
@@ -41,79 +52,66 @@ __all__ = [
     "from_padding_mask",
     "from_position_ids",
     "from_rows",
-    "mark_dynamic_pack",
-    "symbolic_batch_ints",
 ]
 
-# Keys of a packed batch whose last dimension is the token count (seq_idx: TRL's padding-free
-# document index per token), and the offsets (n_docs + 1).
-_TOKEN_KEYS = ("input_ids", "labels", "position_ids", "inputs_embeds", "token_type_ids", "seq_idx")
-_OFFSET_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k")
 
+@dataclass(frozen=True)
+class VarlenMetadata:
+    """Packed-layout description of a batch.
 
-# torch.compiler.config.dynamic_sources patterns for the collator's max_length_q/k ints, whether
-# the compiled frame gets them as keyword arguments (L['kwargs']['max_length_q']) or as locals:
-# dynamo then traces them symbolic from the first compilation instead of static-then-symbolic.
-MAX_LENGTH_SOURCES = r".*\['max_length_[qk]'\]"
-# The same for the loss's token count (Trainer's num_items_in_batch, when it is a Python int).
-NUM_ITEMS_SOURCES = r".*\['num_items_in_batch'\]"
-
-
-def symbolic_batch_ints():
-    """Context manager for calls into a compiled packed model: torch.compile traces the batch's
-    changing ints (``max_length_q/k``, ``num_items_in_batch``) symbolic from the first
-    compilation (``torch.compiler.config.dynamic_sources``, appended to the user's own), where each
-    would otherwise compile static first and once more when it changes. A no-op on a torch
-    without that setting. Pair with ``mark_dynamic_pack`` for the tensors."""
-    import contextlib
-
-    config = torch.compiler.config
-    if not hasattr(config, "dynamic_sources"):
-        return contextlib.nullcontext()
-    ours = ",".join((MAX_LENGTH_SOURCES, NUM_ITEMS_SOURCES))
-    return config.patch(dynamic_sources=",".join(filter(None, (config.dynamic_sources, ours))))
-
-
-def checkpointed_side_effects(model) -> dict[str, bool]:
-    """Dynamo config patches for compiling ``model`` (pass them to ``torch._dynamo.config.patch``).
-
-    transformers >= 5.25 decorates its attention classes with kernels' ``use_kernelized_func``
-    (kernels >= 0.19; instances then carry ``_kernel_funcs``), whose forward sets and resets a
-    module-global context variable on every call. Inside a gradient-checkpointed layer Dynamo
-    refuses that mutation ("HOP: Unsafe side effect ... CompileableContextVar"): fullgraph fails,
-    otherwise every layer runs eager, whatever the attention implementation. The variable is
-    restored within the call, so the backward's recompute loses nothing by not replaying it:
-    such models get ``skip_fwd_side_effects_in_bwd_under_checkpoint``; other models nothing."""
-    if not hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
-        return {}
-    if any("_kernel_funcs" in vars(m) for m in model.modules()):
-        return {"skip_fwd_side_effects_in_bwd_under_checkpoint": True}
-    return {}
-
-
-def mark_dynamic_pack(batch):
-    """Mark a packed batch's token dimension and document count dynamic for torch.compile.
-
-    Call on the batch as the compiled model receives it (after ``.to(device)``, which drops the
-    marks). Without it, automatic dynamic shapes compile a static graph first and then recompile
-    once for every dimension that changes later: the token count on the second pack, the number of
-    documents (cu_seq_lens length) only when it first differs, possibly many packs later. With it,
-    the first graph is already symbolic in both, and only the ``max_length_q/k`` ints (static in
-    the first graph, symbolic after their first change) cost one more: at most 2 compilations.
-    Ints cannot be marked; ``symbolic_batch_ints()`` around the compiled calls makes them symbolic
-    from the start too (one compilation; what ``hf-varlen train --compile`` and
-    ``VarlenSFTTrainer(torch_compile=True)`` do).
-    Returns ``batch`` (marked in place; keys it does not know are left alone).
+    cu_seqlens_q/k: (n + 1,) int32 offsets into the packed token axis.
+    max_seqlen_q/k: Python ints (an upper bound on the longest document).
+    indices_q/k: (T_q_real,) / (T_k_real,) int64 positions of the real tokens in the flattened (B*T)
+        axis, or None when every token is real (no unpadding needed).
     """
-    for key in _TOKEN_KEYS:
-        t = batch.get(key)
-        if isinstance(t, torch.Tensor) and t.dim() >= 1:
-            torch._dynamo.maybe_mark_dynamic(t, t.dim() - 1 if key != "inputs_embeds" else 1)
-    for key in _OFFSET_KEYS:
-        t = batch.get(key)
-        if isinstance(t, torch.Tensor) and t.dim() >= 1:
-            torch._dynamo.maybe_mark_dynamic(t, t.dim() - 1)
-    return batch
+
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+    indices_q: torch.Tensor | None = None
+    indices_k: torch.Tensor | None = None
+
+
+class BatchState:
+    """Values derived from the current batch's ``VarlenMetadata`` and shared by its layers.
+
+    ``metadata.py`` hands every layer of a forward pass the same metadata object (each builder
+    caches it on the batch's own tensors, their identity and version: ``ops.common.TensorCache``),
+    so whatever a layer derives from it plus its own call (the backend's ``AttentionParams``, the
+    packed-row checks of the transformers integration) is computed by layer 1 and looked up by
+    layers 2..N: keyed on the metadata object's identity (a weak reference: a recycled id is never
+    mistaken for it) and a caller-given ``key``. One batch at a time: a new metadata object (the
+    next batch, or offsets edited in place, for which the builders build a new one) drops the
+    previous batch's values. Under torch.compile nothing is cached (a traced graph has no object
+    identity to key on). ``key`` must hold everything the value is derived from besides the
+    metadata; at most ``size`` keys are kept per batch.
+
+        value = state.get_or_compute(metadata, (layer_kind, ...), lambda: derive(metadata))
+    """
+
+    def __init__(self, size: int = 64) -> None:
+        self.size = size
+        self._ref = None  # weakref to the current batch's metadata
+        self._values: dict = {}
+
+    def get_or_compute(self, metadata: VarlenMetadata, key, compute):
+        if tracing():
+            return compute()
+        ref = self._ref
+        if ref is None or ref() is not metadata:
+            self._ref, self._values = weakref.ref(metadata), {}
+        values = self._values
+        if key in values:
+            return values[key]
+        value = compute()
+        if len(values) >= self.size:
+            values.clear()
+        values[key] = value
+        return value
+
+    def clear(self) -> None:
+        self._ref, self._values = None, {}
 
 
 def from_lengths(lengths, device=None) -> VarlenMetadata:
@@ -136,12 +134,22 @@ def _check_covers(cu_q, cu_k, max_q, max_k, total_q: int, total_k: int) -> tuple
 
 
 def from_collator_kwargs(
-    cu_q, cu_k, max_q, max_k, total_q: int | None = None, total_k: int | None = None
+    cu_q,
+    cu_k,
+    max_q,
+    max_k,
+    total_q: int | None = None,
+    total_k: int | None = None,
+    *,
+    device: torch.device | None = None,
 ) -> VarlenMetadata:
     """Collator-provided offsets (max lengths may be ints or 0-d tensors).
 
     With ``total_q/k`` (the batch's token counts) the offsets are checked to cover the batch, in
-    eager mode, once per batch (one host sync); while compiling nothing is read back.
+    eager mode, once per batch (one host sync); while compiling nothing is read back. With
+    ``device`` (the attention inputs' device) they must be on it. The result is what the backend
+    gets, unchanged: int32 offsets on ``device`` describing one number of documents on each side,
+    max lengths as ints (SymInts under torch.compile).
     """
     if cu_q.dtype != torch.int32 or cu_k.dtype != torch.int32:
         raise TypeError(
@@ -152,15 +160,30 @@ def from_collator_kwargs(
             f"cu_seq_lens_q/k need n_docs + 1 >= 2 offsets, got {cu_q.numel()} and {cu_k.numel()} "
             "(an empty batch: the collator received no tokens)"
         )
+    if cu_q.numel() != cu_k.numel():
+        raise ValueError(
+            f"cu_seq_lens_q and cu_seq_lens_k must describe the same number of documents, got "
+            f"{cu_q.numel() - 1} and {cu_k.numel() - 1}"
+        )
+    if device is not None and (cu_q.device != device or cu_k.device != device):
+        raise ValueError(
+            f"cu_seq_lens_q/k must be on the model's device ({device}), got {cu_q.device} and "
+            f"{cu_k.device}: move the batch with the rest of the inputs"
+        )
 
     def build() -> VarlenMetadata:
         flat_q, flat_k = cu_q.reshape(-1), cu_k.reshape(-1)
-        if traced(cu_q):  # no sync: ints as given, a 0-d tensor -> the bound T
+        if tracing(cu_q):  # no sync: ints as given, a 0-d tensor -> the bound T
             return VarlenMetadata(
                 flat_q, flat_k, _max_traced(max_q, total_q), _max_traced(max_k, total_k)
             )
         if total_q is None:
-            return VarlenMetadata(flat_q, flat_k, _to_int(max_q), _to_int(max_k))
+            return VarlenMetadata(
+                flat_q,
+                flat_k,
+                max_length_int("max_length_q", max_q, host_read=True),
+                max_length_int("max_length_k", max_k, host_read=True),
+            )
         if flat_q.is_cuda and torch.cuda.is_current_stream_capturing():
             # no host read inside a capture: checked in the eager warm-up of the same shapes
             if isinstance(max_q, torch.Tensor) or isinstance(max_k, torch.Tensor):
@@ -169,7 +192,8 @@ def from_collator_kwargs(
                     "would need a host read); the collator emits ints"
                 )
             return VarlenMetadata(flat_q, flat_k, int(max_q), int(max_k))
-        if coverage.DEFERRED.wants(flat_q, max_q, max_k):  # read back later, without a sync
+        if coverage.DEFERRED.wants(flat_q, max_q, max_k) and not env_flag("HF_VARLEN_VALIDATE"):
+            # read back later, without a sync (HF_VARLEN_VALIDATE=1: checked now, for debugging)
             coverage.DEFERRED.submit(flat_q, flat_k, max_q, max_k, total_q, total_k)
             return VarlenMetadata(flat_q, flat_k, int(max_q), int(max_k))
         mq, mk = _check_covers(flat_q, flat_k, max_q, max_k, total_q, total_k)
@@ -177,10 +201,6 @@ def from_collator_kwargs(
 
     # keyed on the collator's own tensor objects (a reshape would be a new object per layer)
     return _KWARGS_CACHE.get_or_compute((cu_q, cu_k), build, extra=(total_q, total_k))
-
-
-def _to_int(x) -> int:
-    return int(x.item()) if isinstance(x, torch.Tensor) else int(x)
 
 
 def _max_traced(x, total):
@@ -228,7 +248,7 @@ def from_position_ids(position_ids: torch.Tensor) -> VarlenMetadata:
     ``device_offsets_from_position_ids`` (T + 1
     entries, zero-length documents after the last) and max_seqlen = T, an upper bound; no sync.
     """
-    if traced(position_ids):
+    if tracing(position_ids):
         cu = device_offsets_from_position_ids(position_ids)
         total = position_ids.numel()
         return VarlenMetadata(cu, cu, total, total)

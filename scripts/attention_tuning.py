@@ -101,7 +101,7 @@ CANDIDATES = {
 
 def _triton_setup(lengths, heads, dtype, device="cuda"):
     from hf_varlen.ops.attention import triton_varlen_attention
-    from hf_varlen.ops.attention_schedule import get_plan
+    from hf_varlen.ops.attention.schedule import get_plan
 
     h_q, h_kv, d = HEADS[heads]
     total = sum(lengths)
@@ -138,8 +138,8 @@ def _folds(group, block_m):
 
 def _launchers(s):
     """Closures that launch one kernel with an explicit (config, fold) on the tensors of ``s``."""
-    from hf_varlen.ops.attention_bwd import backward_dkdv, backward_dq
-    from hf_varlen.ops.attention_fwd import attention_forward
+    from hf_varlen.ops.attention.bwd import backward_dkdv, backward_dq
+    from hf_varlen.ops.attention.fwd import attention_forward
 
     p = s["plan"]
 
@@ -206,8 +206,8 @@ def _new_variants(fn, before: dict) -> list[dict]:
 
 
 def _kernel_fns() -> dict:
-    from hf_varlen.ops.attention_bwd import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel
-    from hf_varlen.ops.attention_fwd import _attn_fwd_kernel
+    from hf_varlen.ops.attention.bwd import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel
+    from hf_varlen.ops.attention.fwd import _attn_fwd_kernel
 
     return {"fwd": _attn_fwd_kernel, "dq": _attn_bwd_dq_kernel, "dkdv": _attn_bwd_dkdv_kernel}
 
@@ -276,7 +276,7 @@ def _backward_variants_ms(s, cfg) -> dict[str, float]:
     """The whole backward of the default config, split (the default) and fused (atomic dQ)."""
     import dataclasses
 
-    from hf_varlen.ops.attention_bwd import attention_backward
+    from hf_varlen.ops.attention.bwd import attention_backward
 
     args = (s["do"], s["q"], s["k"], s["v"], s["o"], s["lse"], s["plan"])
     kw = dict(softmax_scale=s["scale"], softcap=0.0)
@@ -289,7 +289,7 @@ def _backward_variants_ms(s, cfg) -> dict[str, float]:
 
 def breakdown(all_cases, names, heads, dtype):
     """Per-kernel time, issued vs useful FLOPs and HBM floor of the triton backend's default config."""
-    from hf_varlen.ops.attention_schedule import fold_factor, get_plan, pick_config
+    from hf_varlen.ops.attention.schedule import fold_factor, get_plan, pick_config
 
     out = []
     for h in heads:
@@ -390,8 +390,8 @@ def _resident_per_sm(fn, device) -> list[dict]:
 
 def _long_launch(s, c, kernel, fold, order, bound):
     """A closure launching one kernel ("fwd", "dq", "kv") of config ``c`` over ``order``."""
-    from hf_varlen.ops.attention_bwd import backward_dkdv, backward_dq
-    from hf_varlen.ops.attention_fwd import attention_forward
+    from hf_varlen.ops.attention.bwd import backward_dkdv, backward_dq
+    from hf_varlen.ops.attention.fwd import attention_forward
 
     p, kw = s["plan"], dict(softmax_scale=s["scale"], softcap=0.0, bound=bound)
     if kernel == "fwd":
@@ -417,9 +417,9 @@ def programs_sweep(all_cases, names, heads, dtype, per_sm=(1, 2, 3, 4)):
     programs per SM, against one program per tile of the long tiling (programs_per_sm 0: the
     hardware scheduler's occupancy; those past the long tiles exit at once), with the compiled
     kernels' resources: the data behind LongPath.programs_per_sm."""
-    from hf_varlen.ops.attention_bwd import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel
-    from hf_varlen.ops.attention_fwd import _attn_fwd_kernel
-    from hf_varlen.ops.attention_schedule import (
+    from hf_varlen.ops.attention.bwd import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel
+    from hf_varlen.ops.attention.fwd import _attn_fwd_kernel
+    from hf_varlen.ops.attention.schedule import (
         _sm_count,
         kernel_tiling,
         pick_config,

@@ -68,7 +68,7 @@ def triton_variant(fields: dict):
     (the providers of TRITON_VARIANTS)."""
     import dataclasses
 
-    from hf_varlen.ops import attention
+    from hf_varlen.ops.attention import launch as attention
 
     pick, pick_long = attention.pick_config, attention.pick_long_path
 

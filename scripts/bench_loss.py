@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_common import run_header  # noqa: E402
 
 from hf_varlen.ops import cross_entropy as ce  # noqa: E402
-from hf_varlen.ops import cross_entropy_chunks as chunks  # noqa: E402
+from hf_varlen.ops.cross_entropy import chunks  # noqa: E402
 
 GIB = 1 << 30
 TARGET = (32768, 151936, 4096)  # issue 6: at this shape, memory <= HF / 8 and time <= 1.05 x HF

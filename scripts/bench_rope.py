@@ -22,8 +22,8 @@ from triton.testing import do_bench
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_common import run_header as header  # noqa: E402
 
-from hf_varlen.ops import rope as rope_ops  # noqa: E402
 from hf_varlen.ops.rope import apply_rotary_qk, rotary_pos_emb  # noqa: E402
+from hf_varlen.ops.rope import function as rope_ops  # noqa: E402
 
 HQ, HKV, HEAD_DIM = 32, 8, 128
 DTYPE = torch.bfloat16

@@ -95,7 +95,7 @@ def fused_backward(monkeypatch):
     (``KernelConfig.bwd_fused``; off in the shipped configs)."""
     import dataclasses
 
-    from hf_varlen.ops import attention
+    from hf_varlen.ops.attention import launch as attention
 
     pick = attention.pick_config
     monkeypatch.setattr(

@@ -138,7 +138,7 @@ def _first_of_each(types: list) -> list[int]:
 
 def _shrink(d: dict) -> dict:
     """The default config dict ``d`` made tiny (recursing into sub-config dicts)."""
-    d = dict(d)
+    default, d = d, dict(d)
     for k, v in list(d.items()):
         if isinstance(v, dict) and ("model_type" in v or any(x in v for x in LAYER_KEYS)):
             d[k] = _shrink(v)
@@ -163,6 +163,8 @@ def _shrink(d: dict) -> dict:
     if isinstance(d.get("per_layer_config"), dict):  # per-layer overrides of layers now gone
         d["per_layer_config"] = {}
     for k, v in SHRINK.items():
+        if d.get(k) == 0 and k not in ("pad_token_id", "bos_token_id", "eos_token_id"):
+            continue  # 0 switches a feature off (e.g. per-layer inputs): keep it off
         if (
             k in d
             and (d[k] is None or isinstance(d[k], (int, float)))
@@ -171,8 +173,25 @@ def _shrink(d: dict) -> dict:
             and isinstance(d.get(k), int)
         ):
             d[k] = v
+    for k in ("num_experts_per_tok", "moe_topk"):  # never more experts per token than by default
+        if isinstance(d.get(k), int) and k in default:
+            d[k] = min(d[k], default[k]) if isinstance(default[k], int) else d[k]
+    hidden = d.get("hidden_size")
+    if isinstance(d.get("mamba_n_heads"), int) and isinstance(d.get("mamba_expand"), int):
+        # Mamba heads x head size == the inner width (mamba_d_ssm where set, else expand x hidden)
+        inner = d.get("mamba_d_ssm") or d["mamba_expand"] * hidden
+        d["mamba_n_heads"], d["mamba_d_head"] = 4, inner // 4
+    mamba2 = ("expand", "num_heads", "head_dim")  # heads x head size == expand x hidden
+    if "n_groups" in d and all(isinstance(d.get(k), int) for k in mamba2):
+        d["head_dim"] = d["expand"] * hidden // d["num_heads"]
+        d["n_groups"] = 1
     if "qk_rope_head_dim" in d and "head_dim" in d:  # MLA: head_dim is the rotary part
         d["head_dim"] = SHRINK["qk_rope_head_dim"]
+    if "qk_rope_head_dim" in d:  # MLA: one key per query head; the stored query width derived
+        if isinstance(d.get("num_key_value_heads"), int):
+            d["num_key_value_heads"] = d.get("num_attention_heads", SHRINK["num_attention_heads"])
+        if isinstance(d.get("qk_head_dim"), int):
+            d["qk_head_dim"] = d["qk_nope_head_dim"] + d["qk_rope_head_dim"]
     if isinstance(d.get("rotary_dim"), int):
         d["rotary_dim"] = 8
     if "is_decoder" in d:  # encoder families' *ForCausalLM run causal only as decoders

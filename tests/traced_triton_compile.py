@@ -53,13 +53,13 @@ def main(kind: str, style: str, steps: int, variant: str = "split") -> dict:
     torch.library.wrap_triton = lambda kernel: _NoLaunch()  # before the ops are traced
 
     import hf_varlen
-    import hf_varlen.ops.attention as attention
-    import hf_varlen.ops.attention_bwd as attention_bwd
-    import hf_varlen.ops.attention_fwd as attention_fwd
-    import hf_varlen.ops.attention_tma as attention_tma
+    import hf_varlen.ops.attention.bwd as attention_bwd
+    import hf_varlen.ops.attention.fwd as attention_fwd
+    import hf_varlen.ops.attention.launch as attention
+    import hf_varlen.ops.attention.tma as attention_tma
     from hf_varlen.backends import registry
     from hf_varlen.metadata import mark_dynamic_pack
-    from hf_varlen.ops.attention_schedule import _CUDA_CONFIGS
+    from hf_varlen.ops.attention.schedule import _CUDA_CONFIGS
 
     attention_fwd.launcher = attention_bwd.launcher = lambda kernel, traceable: _NoLaunch()
     tma = variant == "tma"
@@ -99,10 +99,10 @@ def main(kind: str, style: str, steps: int, variant: str = "split") -> dict:
 
 def _stub_row_ops():
     """The row ops' device checks accept CPU tensors here (their launches are stubbed)."""
-    import hf_varlen.ops.cross_entropy as ce
-    import hf_varlen.ops.glu as glu
-    import hf_varlen.ops.rmsnorm as rmsnorm
-    import hf_varlen.ops.rope as rope
+    import hf_varlen.ops.cross_entropy.function as ce
+    import hf_varlen.ops.glu.function as glu
+    import hf_varlen.ops.rmsnorm.function as rmsnorm
+    import hf_varlen.ops.rope.function as rope
 
     for module in (glu, rmsnorm, rope, ce):
         if hasattr(module, "_INTERPRET"):

@@ -28,8 +28,9 @@ the triton backend needs a GPU).
 
 from __future__ import annotations
 
+from ..metadata import VarlenMetadata  # re-exported (defined in hf_varlen.metadata)
 from . import fa4, flash_attn, flex, reference, sdpa, torch_varlen, triton, xformers  # noqa: F401
-from .params import AttentionParams, VarlenMetadata
+from .params import AttentionParams
 from .registry import (
     MODEL_BACKEND_ATTR,
     BackendSpec,

@@ -11,18 +11,6 @@ _HOST = TensorCache(size=2)  # cu_q and cu_k of the current batch
 _SAFE = TensorCache(size=2)
 
 
-def traced(t: torch.Tensor) -> bool:
-    """True while torch.compile traces, or when ``t`` is a fake tensor (FakeTensorMode shape
-    propagation): nothing may be read back from the device then. One type check in eager mode."""
-    if torch.compiler.is_compiling():
-        return True
-    if type(t) is torch.Tensor:
-        return False
-    from torch._subclasses.fake_tensor import is_fake
-
-    return is_fake(t)
-
-
 def expand_kv(x: torch.Tensor, group: int) -> torch.Tensor:
     """(T, H_kv, D) -> (T, H_kv * group, D), each kv head repeated for the query heads it serves."""
     return x if group == 1 else x.repeat_interleave(group, dim=1)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.common import TensorCache, causal_window
+from ..ops.common import TensorCache, causal_window, tracing
 from .flex_blocks import document_tables
 from .registry import BackendSpec, register_backend
 
@@ -75,11 +75,11 @@ def document_block_mask(cu_q, cu_k, total_q, total_k, *, causal, window_size):
 def _non_finite_rows(q, k, v, metadata, params) -> torch.Tensor:
     """(T_q, H_q) bool: query rows that are non-finite or see a non-finite key/value row.
 
-    Each row sees one contiguous key interval [lo, hi] (attention_schedule.row_bounds, the
+    Each row sees one contiguous key interval [lo, hi] (ops/attention/schedule.py: row_bounds, the
     triton plan's rule), so "sees a bad row" is a difference of two prefix counts: O(T * H) work
     on the device, no sync.
     """
-    from ..ops.attention_schedule import row_bounds
+    from ..ops.attention.schedule import row_bounds
 
     group = q.shape[1] // k.shape[1]
     bad_q = ~torch.isfinite(q).all(-1)
@@ -122,12 +122,13 @@ def _flex_call(q, k, v, metadata, params):
     # no valid config for some short sequences (torch 2.11: NoValidChoicesError at T=116), and
     # fewer distinct shapes also means fewer recompiles. Pad tokens form their own document.
     pad_q, pad_k = -t_q % _BLOCK, -k.shape[0] % _BLOCK
-    if torch.compiler.is_compiling():
+    traced = tracing()
+    if traced:
         # Traced: always 1-128 pad tokens. Whether a pad is 0 would be a guard (an aligned pack
         # compiled a graph of its own: AOT autograd guarded on the padded size != T, H200);
         # 128 - T % 128 is provably nonzero. An aligned pack pays one extra block.
         pad_q, pad_k = _BLOCK - t_q % _BLOCK, _BLOCK - k.shape[0] % _BLOCK
-    if torch.compiler.is_compiling() or pad_q or pad_k:
+    if traced or pad_q or pad_k:
         q = torch.nn.functional.pad(q, (0, 0, 0, 0, 0, pad_q))
         k = torch.nn.functional.pad(k, (0, 0, 0, 0, 0, pad_k))
         v = torch.nn.functional.pad(v, (0, 0, 0, 0, 0, pad_k))

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.attention_schedule import row_bounds
+from ..ops.attention.schedule import row_bounds
 from ..ops.library import qualname
 
 OP = qualname("flex_document_tables")

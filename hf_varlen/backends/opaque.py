@@ -22,8 +22,9 @@ the recomputed forward would draw a different mask (use dropout 0, or a traceabl
 import torch
 from torch import Tensor
 
+from ..metadata import VarlenMetadata
 from ..ops.library import qualname
-from .params import AttentionParams, VarlenMetadata
+from .params import AttentionParams
 
 FORWARD = qualname("opaque_attention")
 BACKWARD = qualname("opaque_attention_backward")

@@ -9,7 +9,8 @@ and hands them to the backend, so a backend never re-reads user keywords.
         dropout_p, deterministic (already resolved against the environment), sinks ((H_q,)
         per-head attention-sink logits, gpt-oss style, or None).
 
-This module sits below the backends and imports nothing from the public layer.
+This module sits below the backends and imports nothing from the public layer; ``VarlenMetadata``
+is defined in ``hf_varlen.metadata`` (beside the builders that check it) and re-exported here.
 """
 
 from __future__ import annotations
@@ -18,25 +19,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..metadata import VarlenMetadata  # re-exported: the class lives with its builders
 from ..ops.common import causal_window
 
-
-@dataclass(frozen=True)
-class VarlenMetadata:
-    """Packed-layout description of a batch.
-
-    cu_seqlens_q/k: (n + 1,) int32 offsets into the packed token axis.
-    max_seqlen_q/k: Python ints (an upper bound on the longest document).
-    indices_q/k: (T_q_real,) / (T_k_real,) int64 positions of the real tokens in the flattened (B*T)
-        axis, or None when every token is real (no unpadding needed).
-    """
-
-    cu_seqlens_q: torch.Tensor
-    cu_seqlens_k: torch.Tensor
-    max_seqlen_q: int
-    max_seqlen_k: int
-    indices_q: torch.Tensor | None = None
-    indices_k: torch.Tensor | None = None
+__all__ = ["AttentionParams", "VarlenMetadata"]
 
 
 @dataclass(frozen=True)

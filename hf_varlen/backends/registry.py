@@ -32,7 +32,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .params import AttentionParams, VarlenMetadata
+from ..metadata import VarlenMetadata
+from ..ops.common import tracing
+from .params import AttentionParams
 
 logger = logging.getLogger("hf_varlen")
 # The attribute set_backend(name, model=...) puts on every submodule of that model.
@@ -377,7 +379,7 @@ def resolve(name: str, req: Request) -> BackendSpec:
         # so a no-grad trial forward and the training steps do not log the same choice twice —
         # and never from inside a traced region (no side effects there).
         key = (cand, req.device, req.dtype)
-        if key not in _AUTO_LOGGED and not torch.compiler.is_compiling():
+        if key not in _AUTO_LOGGED and not tracing():
             _AUTO_LOGGED.add(key)
             logger.info("hf_varlen: backend='auto' chose %r for %s %s", cand, req.device, req.dtype)
         return _REGISTRY[cand]

@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..reference.attention import visibility_mask
 from ._common import host_offsets_qk
 from .registry import BackendSpec, register_backend
 
@@ -38,9 +37,7 @@ def sdpa_backend(q, k, v, metadata, params):
             continue
         mask, is_causal = None, False
         if params.sliding_window or (params.causal and q1 - q0 != k1 - k0):
-            mask = visibility_mask(
-                q1 - q0, k1 - k0, causal=params.causal, window_size=params.window, device=q.device
-            )
+            mask = _visible(q1 - q0, k1 - k0, params.window, q.device)
         elif params.causal:
             is_causal = True
         o = F.scaled_dot_product_attention(
@@ -66,6 +63,17 @@ def sdpa_backend(q, k, v, metadata, params):
     return torch.cat(pieces, dim=0)
 
 
+def _visible(len_q: int, len_k: int, window: tuple[int, int], device) -> torch.Tensor:
+    """(len_q, len_k) bool: query i sees key j. FA-2 rules, bottom-right aligned (query i sits at
+    key position i + len_k - len_q); ``window`` (left, right) has causality folded in (-1 =
+    unbounded). Written here, not taken from the test oracle, so the oracle stays independent."""
+    key = torch.arange(len_k, device=device)[None, :]
+    query_at = torch.arange(len_q, device=device)[:, None] + (len_k - len_q)
+    unbounded = len_q + len_k  # farther than any key is from any query
+    left, right = (unbounded if w < 0 else w for w in window)
+    return (key >= query_at - left) & (key <= query_at + right)
+
+
 def _with_sinks(qd, kd, vd, params, scale):
     """One document with attention sinks, exactly, through SDPA: one more key per head, first,
     whose score is the sink logit and whose value is 0. SDPA has no per-head score bias, so the
@@ -84,8 +92,7 @@ def _with_sinks(qd, kd, vd, params, scale):
     k_sink = torch.cat([kd.new_zeros(1, h_q, 1, kd.shape[-1]), sink], dim=-1)
     k1 = torch.cat([k_sink, k_real], dim=2)
     v1 = torch.cat([vd.new_zeros(1, h_q, 1, vd.shape[-1]), vd], dim=2)
-    visible = visibility_mask(l_q, l_k, causal=params.causal, window_size=params.window,
-                              device=qd.device)  # fmt: skip
+    visible = _visible(l_q, l_k, params.window, qd.device)
     mask = torch.cat([visible.new_ones(l_q, 1), visible], dim=1)
     return F.scaled_dot_product_attention(
         q1, k1, v1, attn_mask=mask, dropout_p=params.dropout_p, scale=scale

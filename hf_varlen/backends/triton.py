@@ -1,4 +1,4 @@
-"""`triton`: hf_varlen's own Triton varlen flash attention (hf_varlen/ops/attention.py).
+"""`triton`: hf_varlen's own Triton varlen flash attention (hf_varlen/ops/attention/).
 
 Compact, heaviest-first tile schedule built on the device from cu_seqlens (no host sync), several
 short documents per tile, GQA heads folded per tile, deterministic backward without atomics.

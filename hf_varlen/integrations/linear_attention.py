@@ -12,12 +12,27 @@ at all.
 
 transformers offers no seam for a whole linear-attention layer (its ``use_kernelized_func`` hooks
 replace single functions through the ``kernels`` hub and get no offsets for the convolution), so
-``install_linear_attention(model)`` swaps the ``forward`` of each gated DeltaNet *instance* (never
-the class, never transformers' files; ``uninstall_linear_attention`` restores it), as
-``kernelize`` does for its layers. The new forward runs the layer's own forward once per document
-of the packed row (cache off, no padding mask), which is each document alone by construction, on
-any device and with or without flash-linear-attention (used per document where transformers finds
-it). Unpacked and padded batches, and decoding, go to the layer's own forward unchanged.
+``install_linear_attention(model)`` gives each gated DeltaNet *instance* a subclass of its own class
+whose ``forward`` is the packed one (transformers' class and files stay untouched;
+``uninstall_linear_attention`` gives the instance its class back), as FSDP2 does for the modules
+it shards. Not an instance ``forward`` attribute: transformers >= 5.25 loads models kernelized by
+default and re-kernelizes on every ``train()`` / ``eval()`` switch, and the ``kernels`` library
+then drops each instance ``forward`` of a layer that uses kernel functions (these layers do).
+
+Two paths for a packed row (``install_linear_attention(model, path=...)``):
+
+- ``"loop"``: the layer's own forward once per document (cache off, no padding mask): each
+  document alone by construction, on any device (flash-linear-attention used per document where
+  transformers finds it). One host read of the offsets per batch; eager only.
+- ``"fla"``: flash-linear-attention's varlen ``chunk_gated_delta_rule(..., cu_seqlens=...)`` over
+  the whole row at once (``linear_attention_fla``): CUDA tensors, the ``fla`` package (>= 0.5)
+  (``pip install 'hf_varlen[fla]'``) and a layer shape it knows (Qwen3-Next, Qwen3.5,
+  OLMo-hybrid).
+- ``"auto"`` (default): ``"fla"`` where it can run, else ``"loop"``; logs its choice once per
+  layer class, device, choice and reason (logger ``hf_varlen``). An explicit ``"fla"`` that cannot run
+  raises one line naming why, at install when it cannot run anywhere, else at the forward.
+
+Unpacked and padded batches, and decoding, go to the layer's own forward unchanged.
 
 Shapes: hidden_states (1, T, hidden) for a packed row (T tokens, documents at cu_seq_lens_q),
 (B, T, hidden) otherwise; the output has the same shape.
@@ -25,6 +40,8 @@ Shapes: hidden_states (1, T, hidden) for a packed row (T tokens, documents at cu
 
 from __future__ import annotations
 
+import functools
+import logging
 import re
 import weakref
 
@@ -32,11 +49,18 @@ import torch
 from torch import nn
 
 from ..ops.common import TensorCache
+from . import linear_attention_fla as fla_path
 
-_ORIGINAL = "_hf_varlen_linear_attention_forward"  # instance attribute: the swapped-out forward
+logger = logging.getLogger("hf_varlen")
+PATHS = ("auto", "loop", "fla")
+
+_BASE = "_hf_varlen_linear_attention_base"  # class attribute of our subclasses: the layer's class
+_PATH = "_hf_varlen_linear_attention_path"  # instance attribute: the path asked for
+_LOGGED: set[tuple] = set()  # (layer class, device type, choice, why) "auto" has logged
 # id(config) -> weakref(config), for the configs of models whose layers are installed (configs
 # are unhashable dataclasses)
 _INSTALLED: dict[int, weakref.ref] = {}
+_PACKED_CLASSES: dict[type, type] = {}  # a gated DeltaNet class -> its packed subclass
 _BOUNDS = TensorCache(size=4)
 _OFFSET_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 
@@ -88,16 +112,45 @@ def _configs(model: nn.Module) -> list:
     return out
 
 
-def install_linear_attention(model: nn.Module) -> int:
+def _packed_class(cls: type) -> type:
+    """The subclass of ``cls`` with the packed forward (same name, so that logs, reprs and
+    ``is_linear_attention_layer`` read as before)."""
+    sub = _PACKED_CLASSES.get(cls)
+    if sub is None:
+        attrs = {"forward": _packed_forward, _BASE: cls, "__qualname__": cls.__qualname__}
+        sub = _PACKED_CLASSES[cls] = type(cls.__name__, (cls,), attrs)
+    return sub
+
+
+def is_packed_layer(module: nn.Module) -> bool:
+    """Whether ``module`` is a gated DeltaNet layer installed by ``install_linear_attention``."""
+    return hasattr(type(module), _BASE)
+
+
+def _fla_missing(layer: nn.Module) -> str | None:
+    """Why the FLA path cannot serve ``layer`` on any device, or None."""
+    if fla_path.fla_chunk_gated_delta_rule() is None:
+        return "flash-linear-attention is not installed (pip install 'hf_varlen[fla]')"
+    if not fla_path.has_fla_adapter(layer):
+        return f"{type(layer).__name__} has a layer shape the FLA path does not know"
+    return None
+
+
+def install_linear_attention(model: nn.Module, path: str = "auto") -> int:
     """Make every gated DeltaNet layer of ``model`` restart at document boundaries; returns how
-    many layers were changed (0 for a model without any). Idempotent."""
+    many layers were changed (0 for a model without any). Idempotent; a later call sets ``path``
+    ("auto", "loop" or "fla": see the module docstring)."""
+    if path not in PATHS:
+        raise ValueError(f"install_linear_attention: path must be one of {PATHS}, got {path!r}")
+    layers = [m for m in model.modules() if is_linear_attention_layer(m)]
+    why = next((w for m in layers if (w := _fla_missing(m)) is not None), None)
+    if path == "fla" and why is not None:
+        raise ValueError(f"install_linear_attention(path='fla'): {why}; use path='auto' or 'loop'")
     n = 0
-    for module in model.modules():
-        if not is_linear_attention_layer(module):
-            continue
-        if _ORIGINAL not in module.__dict__:
-            module.__dict__[_ORIGINAL] = module.__dict__.get("forward")
-            module.forward = _packed_forward.__get__(module)
+    for module in layers:
+        if not is_packed_layer(module):
+            module.__class__ = _packed_class(type(module))
+        module.__dict__[_PATH] = path
         n += 1
     if n:
         for cfg in _configs(model):
@@ -109,12 +162,9 @@ def uninstall_linear_attention(model: nn.Module) -> int:
     """Undo ``install_linear_attention``; returns how many layers were restored."""
     n = 0
     for module in model.modules():
-        if _ORIGINAL in module.__dict__:
-            previous = module.__dict__.pop(_ORIGINAL)
-            if previous is None:
-                del module.forward
-            else:
-                module.forward = previous
+        if _BASE in vars(type(module)):  # ours, not a subclass made later (e.g. by FSDP2)
+            module.__class__ = getattr(type(module), _BASE)
+            module.__dict__.pop(_PATH, None)
             n += 1
     for cfg in _configs(model):
         if is_installed(cfg):
@@ -135,10 +185,7 @@ def _document_bounds(cu: torch.Tensor) -> list[tuple[int, int]]:
 
 
 def _packed_forward(self, hidden_states, cache=None, attention_mask=None, **kwargs):
-    saved = self.__dict__.get(_ORIGINAL)  # an instance forward set before ours (e.g. a hook)
-
-    def original(*args, **kw):
-        return saved(*args, **kw) if saved is not None else type(self).forward(self, *args, **kw)
+    original = functools.partial(getattr(type(self), _BASE).forward, self)  # the layer's own
 
     cu = kwargs.get("cu_seq_lens_q")
     if cu is None:
@@ -165,5 +212,36 @@ def _packed_forward(self, hidden_states, cache=None, attention_mask=None, **kwar
             f"{type(self).__name__}: cu_seq_lens_q ends at {bounds[-1][1]} but the packed row has "
             f"{hidden_states.shape[1]} tokens"
         )
+    if _choose_path(self, hidden_states) == "fla":
+        rule = fla_path.fla_chunk_gated_delta_rule()
+        return fla_path.fla_packed_forward(self, hidden_states, cu, bounds, rule)
     outs = [original(hidden_states[:, s:e], cache=None, **rest) for s, e in bounds]
     return torch.cat(outs, dim=1)
+
+
+def _choose_path(layer: nn.Module, hidden: torch.Tensor) -> str:
+    """ "loop" or "fla" for this packed row (see the module docstring)."""
+    want = layer.__dict__.get(_PATH, "auto")
+    if want == "loop":
+        return "loop"
+    why = _fla_missing(layer)
+    if why is None and not fla_path.fla_runs_on(hidden.device):
+        why = f"FLA's kernels run on CUDA, this batch is on {hidden.device.type}"
+    if want == "fla":
+        if why is not None:
+            raise ValueError(
+                f"install_linear_attention(path='fla'): {why}; use path='auto' or 'loop'"
+            )
+        return "fla"
+    choice = "loop" if why else "fla"
+    key = (type(layer), hidden.device.type, choice, why)
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        logger.info(
+            "hf_varlen: linear attention 'auto' chose %r for %s on %s%s",
+            choice,
+            type(layer).__name__,
+            hidden.device.type,
+            f" ({why})" if why else "",
+        )
+    return choice

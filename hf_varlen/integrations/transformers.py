@@ -19,6 +19,7 @@ Attention sinks (``s_aux``, gpt-oss / granite_swa) go to ``varlen_attention(sink
 from __future__ import annotations
 
 import inspect
+import re
 import sys
 import threading
 import weakref
@@ -26,16 +27,18 @@ import weakref
 import torch
 
 from ..backends.registry import MODEL_BACKEND_ATTR
-from ..functional import varlen_attention
+from ..functional import batch_call, dispatch
 from ..metadata import (
+    BatchState,
     VarlenMetadata,
     from_collator_kwargs,
     from_padding_mask,
     from_position_ids,
     from_rows,
 )
+from ..ops.common import tracing
 from .linear_attention import is_installed as is_linear_attention_installed
-from .linear_attention import stateful_layer_kinds
+from .linear_attention import is_linear_attention_layer, stateful_layer_kinds
 
 DEFAULT_NAME = "varlen_packed"
 
@@ -94,6 +97,13 @@ def _dispatches_through_interface(model_cls: type) -> bool:
     )
 
 
+def dispatches_attention(model_cls: type) -> bool:
+    """Whether ``model_cls`` calls its attention through transformers' AttentionInterface (its
+    class flag, or a stale flag over a modeling file that dispatches anyway), so that any
+    registered ``attn_implementation`` name takes effect."""
+    return model_cls.is_backend_compatible() or _dispatches_through_interface(model_cls)
+
+
 def _unsupported_reason(model_cls: type) -> str | None:
     """Why a model class cannot run under varlen_packed, or None. Class flags (and whether its
     modeling file dispatches through the attention interface) only."""
@@ -106,9 +116,9 @@ def _unsupported_reason(model_cls: type) -> str | None:
             "decoders of encoder-decoder families), so the positions of a packed row cannot "
             "restart at each document"
         )
-    if not model_cls.is_backend_compatible() and not stale_flag:
+    if not dispatches_attention(model_cls):
         return (
-            f"{name} does not dispatch its attention through transformers' AttentionInterface "
+            f"{name} does not dispatch attention through transformers' AttentionInterface "
             "(legacy attention classes, _supports_attention_backend = False), so varlen_packed "
             "would never run and its own attention would get no mask"
         )
@@ -157,32 +167,102 @@ def _config_reason(config) -> str | None:
     return None
 
 
-def _check_config_fields(config) -> None:
+def _config_fields_refusal(config) -> str | None:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     reason = _config_reason(config) or (_config_reason(text) if text is not config else None)
+    if reason is None:
+        return None
+    return (
+        f"attn_implementation='varlen_packed' cannot serve {_model_name(config)}: {reason}. "
+        "Load it with attn_implementation='sdpa' or 'eager'"
+    )
+
+
+def _check_config_fields(config) -> None:
+    refusal = _config_fields_refusal(config)
+    if refusal is not None:
+        raise ValueError(refusal)
+
+
+def _stateful_refusal(config, kinds: list[str]) -> str:
+    return (
+        f"{_model_name(config)} has layers that carry a state along the row ({', '.join(kinds)}"
+        "), which would flow from one packed document into the next. "
+        "hf_varlen.install_linear_attention(model) makes gated DeltaNet layers (Qwen3-Next, "
+        "Qwen3.5, OLMo-hybrid) restart at every document boundary; other such layers (Mamba, "
+        "lightning attention, RG-LRU, short convolutions) cannot be packed yet: train this "
+        "model on padded, unpacked batches"
+    )
+
+
+def varlen_refusal(model: torch.nn.Module) -> str | None:
+    """Why attn_implementation='varlen_packed' cannot serve ``model``, as one line naming the
+    model, the reason and the alternative; None when it can. The one rule behind ``check_model``
+    and ``hf-varlen train``'s model check:
+
+    - config fields that need a 4-D mask (ALiBi, a PrefixLM prefix);
+    - class flags, read with whether the modeling file dispatches through the interface anyway;
+    - layers that carry a state along the row, except gated DeltaNet layers, which
+      ``install_linear_attention`` restarts at every document boundary (accepted here whether or
+      not installed yet: the first packed forward refuses them until they are).
+    """
+    config = getattr(model, "config", None)
+    if config is not None and (refusal := _config_fields_refusal(config)) is not None:
+        return refusal
+    reason = _unsupported_reason(type(model))
     if reason is not None:
-        raise ValueError(
+        return (
             f"attn_implementation='varlen_packed' cannot serve {_model_name(config)}: {reason}. "
             "Load it with attn_implementation='sdpa' or 'eager'"
         )
+    kinds = stateful_layer_kinds(config) if config is not None else []
+    restartable = any(is_linear_attention_layer(m) for m in model.modules())
+    if [k for k in kinds if not (restartable and k == "linear_attention")]:
+        return _stateful_refusal(config, kinds)
+    if not kinds:
+        conv = next((n for n, m in model.named_modules() if _decoder_convolution(n, m)), None)
+        if conv is not None:
+            return _stateful_refusal(config, [f"a causal convolution, {conv}"])
+    return None
+
+
+def _row_convolution(module: torch.nn.Module) -> bool:
+    """A 1-D convolution wider than one token (along the row, in a decoder: ZAYA's CCA q/k
+    convolution, Mamba's and linear attention's short convolutions)."""
+    return isinstance(module, torch.nn.Conv1d) and module.kernel_size[0] > 1
+
+
+def _decoder_convolution(name: str, module: torch.nn.Module) -> bool:
+    """A row convolution inside a decoder layer (``...layers.<i>....``), not in an audio or vision
+    encoder, whose convolutions run over their own inputs before any token is packed."""
+    return (
+        _row_convolution(module)
+        and re.search(r"(^|\.)layers\.\d+\.", name) is not None
+        and re.search(r"audio|vision|visual|encoder", name) is None
+    )
+
+
+_CONVOLVES: dict[type, bool] = {}  # attention class -> whether it holds a row convolution
+
+
+def _convolves(module: torch.nn.Module) -> bool:
+    cls = type(module)
+    if cls not in _CONVOLVES:
+        _CONVOLVES[cls] = any(_row_convolution(m) for m in module.modules())
+    return _CONVOLVES[cls]
 
 
 def check_model(model: torch.nn.Module) -> None:
-    """Raise now, naming the model, if it cannot run under varlen_packed (no forward needed).
+    """Raise now, naming the model, if it cannot run under varlen_packed (no forward needed;
+    the rule: ``varlen_refusal``).
 
-    The same class checks run by themselves at the first forward (from the mask function); this
-    also covers models that never build a mask through transformers' masking utilities.
+    The class checks run by themselves at the first forward (from the mask function); this also
+    covers models that never build a mask through transformers' masking utilities, and refuses
+    layers carrying a state along the row that no installer restarts.
     """
-    config = getattr(model, "config", None)
-    if config is not None:
-        _check_config_fields(config)
-    reason = _unsupported_reason(type(model))
-    if reason is not None:
-        raise ValueError(
-            f"attn_implementation='varlen_packed' cannot serve "
-            f"{_model_name(getattr(model, 'config', None))}: {reason}. Load it with "
-            "attn_implementation='sdpa' or 'eager'"
-        )
+    refusal = varlen_refusal(model)
+    if refusal is not None:
+        raise ValueError(refusal)
 
 
 class _LastMaskCall(threading.local):
@@ -274,7 +354,9 @@ def _metadata(query, key, attention_mask, kwargs) -> VarlenMetadata:
                 "attention_mask; packed batches carry no padding mask: drop attention_mask"
             )
         # checked to cover the batch once per forward in eager mode (one sync), never per layer
-        return from_collator_kwargs(cu_q, cu_k, max_q, max_k, bsz * q_len, bsz * kv_len)
+        return from_collator_kwargs(
+            cu_q, cu_k, max_q, max_k, bsz * q_len, bsz * kv_len, device=query.device
+        )
     if attention_mask is not None:
         # (B, K) from a caller, or (B, 1, 1, K) from our mask function (possibly sliced on dim 2)
         padding = attention_mask.dim() == 2 or (
@@ -314,22 +396,35 @@ def _positions_from_padding_idx(module) -> bool:
     return _ROW_POSITIONS[cls]
 
 
-def _check_packed_row(module, kwargs) -> None:
+_ROWS_CHECKED = BatchState()  # (config, attention class, ...) whose packed rows passed
+
+
+def _check_packed_row(module, meta: VarlenMetadata, kwargs) -> None:
     """Raise for a row packing several documents where something besides attention would cross
     document boundaries: layers that carry a state along the row (see
-    hf_varlen.integrations.linear_attention), or positions that packing cannot restart."""
+    hf_varlen.integrations.linear_attention), or positions that packing cannot restart. Checked
+    once per batch and model (``_ROWS_CHECKED``), not per layer."""
     config = getattr(module, "config", None)
     if config is None:
         return
+    key = (  # the entry holds the config, so its id is not reused while the entry lives
+        id(config),
+        type(module),
+        is_linear_attention_installed(config),
+        kwargs.get("cu_seq_lens_q") is None,
+    )
+    _ROWS_CHECKED.get_or_compute(meta, key, lambda: _check_packed_row_now(module, config, kwargs))
+
+
+def _check_packed_row_now(module, config, kwargs):
     kinds = stateful_layer_kinds(config)
-    if kinds and not is_linear_attention_installed(config):
+    # installed gated DeltaNet layers restart; any other state-carrying kind still crosses over
+    restarted = ("linear_attention",) if is_linear_attention_installed(config) else ()
+    if [k for k in kinds if k not in restarted]:
+        raise ValueError(_stateful_refusal(config, kinds))
+    if not kinds and _convolves(module):
         raise ValueError(
-            f"{_model_name(config)} has layers that carry a state along the row ({', '.join(kinds)}"
-            "), which would flow from one packed document into the next. "
-            "hf_varlen.install_linear_attention(model) makes gated DeltaNet layers (Qwen3-Next, "
-            "Qwen3.5, OLMo-hybrid) restart at every document boundary; other such layers (Mamba, "
-            "lightning attention, RG-LRU, short convolutions) cannot be packed yet: train this "
-            "model on padded, unpacked batches"
+            _stateful_refusal(config, [f"a causal convolution in {type(module).__name__}"])
         )
     if kinds and kwargs.get("cu_seq_lens_q") is None:
         raise ValueError(
@@ -345,6 +440,7 @@ def _check_packed_row(module, kwargs) -> None:
             "each document the positions it has alone; train this model on padded, unpacked "
             "batches"
         )
+    return config
 
 
 def varlen_packed_forward(
@@ -373,7 +469,7 @@ def varlen_packed_forward(
         attention_mask is None
         and kwargs.get("position_ids") is None
         and kwargs.get("cu_seq_lens_q") is None
-        and not torch.compiler.is_compiling()
+        and not tracing()
     ):
         _check_positions_reached(module, query, key)
     if (
@@ -389,8 +485,8 @@ def varlen_packed_forward(
     meta = _metadata(query, key, attention_mask, kwargs)
     # is_compiling first: Dynamo would otherwise guard on the number of documents (a recompile
     # per pack size)
-    if not torch.compiler.is_compiling() and bsz == 1 and meta.cu_seqlens_q.shape[0] > 2:
-        _check_packed_row(module, kwargs)
+    if not tracing() and bsz == 1 and meta.cu_seqlens_q.shape[0] > 2:
+        _check_packed_row(module, meta, kwargs)
     # (B, H, T, D) -> (B*T, H, D): a view for B == 1 (packed batches), a copy otherwise.
     q = query.transpose(1, 2).reshape(bsz * q_len, h_q, head_dim)
     k = key.transpose(1, 2).reshape(-1, key.shape[1], head_dim)
@@ -400,26 +496,27 @@ def varlen_packed_forward(
     window = (-1, -1)
     if sliding_window is not None and sliding_window > 0:
         # HF semantics: a token sees itself and the sliding_window - 1 tokens on each side it may
-        # see (varlen_attention folds causality in: right = 0).
+        # see (AttentionParams.create folds causality in: right = 0).
         window = (sliding_window - 1, sliding_window - 1)
-    out = varlen_attention(
+    # The metadata goes to the backend as metadata.py built and checked it (once per batch); the
+    # layer's own arguments are checked and described once per batch and kind of layer
+    # (functional.batch_call), so layers 2..N of a batch go straight to the backend.
+    params, request = batch_call(
         q,
         k,
         v,
-        meta.cu_seqlens_q,
-        meta.cu_seqlens_k,
-        meta.max_seqlen_q,
-        meta.max_seqlen_k,
+        meta,
         softmax_scale=scaling,
         causal=bool(is_causal),
         window_size=window,
         softcap=float(softcap or 0.0),
         dropout_p=float(dropout or 0.0),
-        backend=getattr(module, MODEL_BACKEND_ATTR, "auto"),  # set_backend(name, model=...)
         # attention sinks (gpt-oss, granite_swa: one learned logit per query head); a backend
         # without them is skipped by "auto" and refused by name when chosen explicitly
         sinks=kwargs.get("s_aux"),
     )
+    backend = getattr(module, MODEL_BACKEND_ATTR, "auto")  # set_backend(name, model=...)
+    out = dispatch(q, k, v, meta, params, backend, request=request)
     if meta.indices_q is not None:
         full = out.new_zeros(bsz * q_len, h_q, out.shape[-1])
         out = full.index_copy(0, meta.indices_q, out)
@@ -441,7 +538,7 @@ def varlen_packed_mask(*args, **kwargs):
     """
     from transformers.masking_utils import flash_attention_mask
 
-    if not torch.compiler.is_compiling():
+    if not tracing():
         config = kwargs.get("config")
         if config is not None:
             _check_config(config)

@@ -9,7 +9,11 @@ package), and everything above ``ops/`` may import from it; so each helper is de
 ``check_int(name, value, minimum)``: an int argument check that names the argument.
 ``IGNORE_INDEX``: the label value the loss skips (-100, as in transformers and torch).
 ``causal_window(causal, window_size)``: the FA (left, right) window with causality folded in.
+``offsets_violation(first, last, smallest_step, longest, total, max_len)``: the one offsets rule
+    (start 0, non-decreasing, end at T, no document past the max length), on summary numbers.
 ``check_offsets(name, offsets, total, max_len)``: the full cu_seqlens check on a host list.
+``max_length_int(name, value, host_read)``: the one conversion of a max document length to an int.
+``tracing(t)``: whether torch.compile traces (or ``t`` is a fake tensor): nothing may be read back.
 ``attention_scale(value, head_dim)`` / ``attention_softcap(value)``: the one policy for
     softmax_scale and softcap on every attention backend (docs/attention-numerics.md).
 ``check_sinks(sinks, q)``: the attention-sink logits argument checked (None or (H_q,) float).
@@ -121,30 +125,80 @@ def check_sinks(sinks, q: torch.Tensor) -> torch.Tensor | None:
     return sinks
 
 
+def offsets_violation(
+    first: int, last: int, smallest_step: int, longest: int, total: int, max_len: int | None
+) -> str | None:
+    """The one offsets rule, on the summary numbers of one cu_seqlens: it starts at 0
+    (``"start"``), never decreases (``"decreasing"``), ends at the token count ``total``
+    (``"end"``) and, if ``max_len`` is given, holds no document longer than it (``"max"``).
+    Returns the first rule broken, or None. Callers word the error: ``check_offsets`` for a host
+    list (with the offending entry), ``coverage.coverage_error`` for device statistics."""
+    if first != 0:
+        return "start"
+    if smallest_step < 0:
+        return "decreasing"
+    if last != total:
+        return "end"
+    if max_len is not None and longest > max_len:
+        return "max"
+    return None
+
+
 def check_offsets(name: str, offsets: list[int], total: int, max_len: int | None = None) -> None:
-    """Raise ValueError naming ``name`` unless the host list ``offsets`` (cu_seqlens) starts at 0,
-    never decreases, ends at ``total`` and (if given) has no document longer than ``max_len``."""
+    """Raise ValueError naming ``name`` unless the host list ``offsets`` (cu_seqlens) obeys
+    ``offsets_violation``'s rule."""
     if not offsets:
         raise ValueError(f"{name} is empty; it needs n_docs + 1 >= 1 offsets starting at 0")
-    if offsets[0] != 0:
-        raise ValueError(f"{name}[0] must be 0, got {offsets[0]}")
     lengths = [b - a for a, b in zip(offsets[:-1], offsets[1:])]
-    bad = next((i for i, n in enumerate(lengths) if n < 0), None)
-    if bad is not None:
+    longest = max(lengths, default=0)
+    broken = offsets_violation(
+        offsets[0], offsets[-1], min(lengths, default=0), longest, total, max_len
+    )
+    if broken == "start":
+        raise ValueError(f"{name}[0] must be 0, got {offsets[0]}")
+    if broken == "decreasing":
+        bad = next(i for i, n in enumerate(lengths) if n < 0)
         raise ValueError(
             f"{name} must be non-decreasing; entry {bad + 1} ({offsets[bad + 1]}) < entry {bad} "
             f"({offsets[bad]})"
         )
-    if offsets[-1] != total:
+    if broken == "end":
         raise ValueError(
             f"{name}[-1] must equal the number of packed tokens {total}, got {offsets[-1]}: the "
             f"documents must cover every token exactly once"
         )
-    longest = max(lengths, default=0)
-    if max_len is not None and longest > max_len:
+    if broken == "max":
         raise ValueError(
             f"max_seqlen for {name} is {max_len} but the longest document has {longest} tokens"
         )
+
+
+def max_length_int(name: str, value, *, host_read: bool = False):
+    """A max document length (``max_seqlen_q/k``, the collator's ``max_length_q/k``) as an int.
+
+    A SymInt (torch.compile's dynamic shapes) is returned as is: ``int()`` would specialise the
+    graph on it. A tensor is read on the host only where the caller says that read is its one per
+    batch (``host_read``: a 1-element tensor, one sync); elsewhere it raises TypeError naming the
+    argument, since a per-layer read would be a sync per layer. Negative or non-integer values
+    raise TypeError naming the argument.
+    """
+    if isinstance(value, torch.Tensor):
+        if not host_read:
+            raise TypeError(
+                f"{name} must be a Python int, got a tensor; convert it once per batch "
+                f"(int({name}.item())) rather than once per layer"
+            )
+        if value.numel() != 1:
+            raise ValueError(
+                f"{name} must be an int or a 1-element tensor, got shape {tuple(value.shape)}"
+            )
+        # Host read, intended: the caller's one read of this batch (see host_read above).
+        value = value.item()
+    if isinstance(value, torch.SymInt):
+        return value
+    if not isinstance(value, Integral) or value < 0:
+        raise TypeError(f"{name} must be a non-negative int, got {value!r}")
+    return int(value)
 
 
 def clamp_offsets(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
@@ -243,7 +297,7 @@ class TensorCache:
         extra: Hashable = None,
     ):
         """The cached value, else ``compute()`` stored for next time (never cached while tracing)."""
-        if _tracing():
+        if tracing():
             return compute()
         hit = self.get(tensors, extra)
         if hit is None:
@@ -254,6 +308,14 @@ class TensorCache:
         self._entries.clear()
 
 
-def _tracing() -> bool:
-    compiler = getattr(torch, "compiler", None)
-    return bool(compiler is not None and compiler.is_compiling())
+def tracing(t: torch.Tensor | None = None) -> bool:
+    """True while torch.compile traces, or when ``t`` is a fake tensor (FakeTensorMode shape
+    propagation): nothing may be read back from the device, cached or logged then. The one such
+    test of the package; in eager mode one call and one type check."""
+    if torch.compiler.is_compiling():
+        return True
+    if t is None or type(t) is torch.Tensor:
+        return False
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(t)

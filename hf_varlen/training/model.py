@@ -6,8 +6,8 @@
   rounded up to a multiple of 64) or ``from_pretrained``; attention implementation ``varlen_packed``
   for packed batches and ``sdpa`` for the padded baseline; ``use_cache=False`` (a cache disables
   transformers' packed-sequence handling in the baselines and wastes memory in training). A model
-  class that does not dispatch attention through ``AttentionInterface`` is refused for
-  ``varlen_packed`` (the name would be silently ignored).
+  that ``varlen_packed`` cannot serve is refused by the library's own rule (``varlen_refusal``);
+  a hybrid model's linear-attention layers are installed to restart at document boundaries.
 - ``apply_kernels``: ``hf_varlen.kernelize`` when present and wanted (guarded import).
 - ``apply_lora``: peft LoRA adapters.
 - ``check_load_in_4bit`` / ``quantization_kwargs``: QLoRA (``--load-in-4bit``): bitsandbytes NF4
@@ -246,15 +246,24 @@ def build_model(cfg: TrainConfig, tokenizer, precision: str, device: torch.devic
 
 
 def check_attention(model, attn: str, name: str) -> None:
-    """Refuse a model whose attention layers would silently ignore ``attn``."""
+    """Refuse a model whose attention layers would silently ignore ``attn``; for varlen_packed,
+    refuse exactly what the library refuses (``varlen_refusal``, the one rule) and restart the
+    gated DeltaNet layers of a hybrid model at every document boundary."""
     if attn in ("eager", "sdpa"):
         return
+    from ..integrations.transformers import DEFAULT_NAME, dispatches_attention, varlen_refusal
+
+    hint = "Hint: train it with --padded (sdpa baseline) or --attn-implementation sdpa"
     cls = type(model)
-    if not cls.is_backend_compatible():
+    if attn == DEFAULT_NAME:
+        refusal = varlen_refusal(model)
+        if refusal is not None:
+            raise ValueError(f"--model {name!r}: {refusal}. {hint}")
+        _install_linear_attention(model, name)
+    elif not dispatches_attention(cls):
         raise ValueError(
             f"--model {name!r} ({cls.__name__}) does not dispatch attention through transformers' "
-            f"AttentionInterface, so attn_implementation={attn!r} cannot take effect. Hint: train "
-            "it with --padded (sdpa baseline) or --attn-implementation sdpa"
+            f"AttentionInterface, so attn_implementation={attn!r} cannot take effect. {hint}"
         )
     got = getattr(model.config, "_attn_implementation", None)
     if got != attn:
@@ -262,6 +271,20 @@ def check_attention(model, attn: str, name: str) -> None:
             f"--model {name!r} ended up with attn_implementation={got!r} instead of {attn!r}; "
             "it may not support custom attention functions. Hint: --padded or "
             "--attn-implementation sdpa"
+        )
+
+
+def _install_linear_attention(model, name: str) -> None:
+    """Hybrid models: their gated DeltaNet layers restart at every packed document boundary."""
+    from ..integrations.linear_attention import install_linear_attention
+
+    layers = install_linear_attention(model)
+    if layers:
+        logger.info(
+            "--model %r: %d linear-attention layer(s) restart their state at every document "
+            "boundary (hf_varlen.install_linear_attention)",
+            name,
+            layers,
         )
 
 

@@ -233,7 +233,7 @@ tma_tests)  # the attention, compile and CUDA-graph GPU tests with descriptors o
     cfg=/tmp/hf_varlen_tma.json
     python3 - "$cfg" <<'PY'
 import dataclasses, json, sys
-from hf_varlen.ops import attention_schedule as s
+from hf_varlen.ops.attention import schedule as s
 def row(c):  # the override's 18 entries: 15 tiles, bwd_fused, kv_stages_unfolded, tma (on)
     t = dataclasses.astuple(c)
     return [*t[:15], int(t[15]), t[16], 1]

@@ -44,7 +44,10 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.backends.nvidia.compiler import CUDABackend  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from hf_varlen.ops import attention_bwd, attention_fwd, attention_schedule, attention_tma  # noqa: E402
+from hf_varlen.ops.attention import bwd as attention_bwd  # noqa: E402
+from hf_varlen.ops.attention import fwd as attention_fwd  # noqa: E402
+from hf_varlen.ops.attention import schedule as attention_schedule  # noqa: E402
+from hf_varlen.ops.attention import tma as attention_tma  # noqa: E402
 
 TOKENS = 2048  # the host launchers' tensors (no kernel runs: only the argument types matter)
 KERNELS = ("fwd", "dq", "kv")

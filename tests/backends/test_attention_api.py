@@ -159,15 +159,16 @@ def test_auto_logs_once_and_never_while_compiling(monkeypatch, caplog):
 @pytest.mark.parametrize("env,arg,want", [("", False, False), ("1", False, True), ("", True, True)])
 def test_deterministic_reaches_triton_backward(monkeypatch, env, arg, want):
     from hf_varlen.ops import attention as op
+    from hf_varlen.ops.attention import launch  # where the backward is launched from
 
     seen = []
-    real = op.attention_backward
+    real = launch.attention_backward
 
     def spy(*args, **kwargs):
         seen.append(kwargs["deterministic"])
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(op, "attention_backward", spy)
+    monkeypatch.setattr(launch, "attention_backward", spy)
     monkeypatch.setenv("FLASH_ATTENTION_DETERMINISTIC", env)
     device = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter on CPU
     q, k, v = make_qkv([5, 7], 2, 1, 16, torch.float32, device)
@@ -254,3 +255,70 @@ def test_metadata_from_rows_cached_per_shape():
     a = from_rows(2, 5, 5, torch.device("cpu"))
     assert from_rows(2, 5, 5, torch.device("cpu")) is a
     assert from_rows(2, 5, 7, torch.device("cpu")).cu_seqlens_k.tolist() == [0, 7, 14]
+
+
+def test_varlen_metadata_and_compile_helpers_have_one_home():
+    """One class, defined in hf_varlen.metadata; the other paths re-export it. The torch.compile
+    helpers live in hf_varlen.compile_support and keep their old hf_varlen.metadata path."""
+    import hf_varlen.backends.params
+    import hf_varlen.compile_support
+    import hf_varlen.metadata
+
+    canonical = hf_varlen.metadata.VarlenMetadata
+    assert canonical.__module__ == "hf_varlen.metadata"
+    assert hf_varlen.backends.VarlenMetadata is canonical
+    assert hf_varlen.backends.params.VarlenMetadata is canonical
+    for name in hf_varlen.compile_support.__all__:
+        assert getattr(hf_varlen.metadata, name) is getattr(hf_varlen.compile_support, name)
+
+
+def test_layers_of_one_batch_share_one_plan(monkeypatch):
+    """The metadata of a batch is built and checked once and handed to the backend unchanged;
+    the layers' params are built once per batch (layer 1), not per layer; a new batch, or the
+    same offsets tensor edited in place, builds them again. The model's output equals the public
+    varlen_attention route's per document (checked by the model tests); here: the counts."""
+    from hf_varlen import functional
+
+    created, validated, seen = [], [], []
+    real_create, real_validate = AttentionParams.create.__func__, functional.validate_inputs
+    monkeypatch.setattr(
+        AttentionParams,
+        "create",
+        classmethod(lambda cls, **kw: created.append(1) or real_create(cls, **kw)),
+    )
+    monkeypatch.setattr(
+        functional, "validate_inputs", lambda *a: validated.append(1) or real_validate(*a)
+    )
+    spec = registry.get_spec("sdpa")
+    monkeypatch.setitem(
+        registry._REGISTRY,
+        "sdpa",
+        dataclasses.replace(
+            spec, fn=lambda q, k, v, m, p: seen.append(m) or spec.fn(q, k, v, m, p)
+        ),
+    )
+    torch.manual_seed(0)
+    model = _tiny_llama()
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    batch = dict(
+        input_ids=torch.randint(0, 50, (1, 9)),
+        position_ids=torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4]]),
+        cu_seq_lens_q=cu,
+        cu_seq_lens_k=cu,
+        max_length_q=5,
+        max_length_k=5,
+    )
+    with torch.no_grad():
+        first = model(**batch).logits
+        assert len(created) == 1 and not validated  # two layers, one plan, no re-validation
+        assert len(seen) == 2 and seen[0] is seen[1]
+        assert seen[0].cu_seqlens_q.data_ptr() == cu.data_ptr()  # the collator's, not a copy
+        model(**batch)  # the same tensors, unchanged: the batch's metadata and plan are reused
+        assert len(created) == 1 and seen[2] is seen[0]
+        cu[1] = 5  # edited in place: new documents, so new metadata and a new plan
+        batch["position_ids"] = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3]])
+        second = model(**batch).logits
+    assert (
+        len(created) == 2 and seen[4] is not seen[0] and seen[4].cu_seqlens_q.tolist() == [0, 5, 9]
+    )
+    assert not torch.equal(first, second)

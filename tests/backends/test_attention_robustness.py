@@ -68,7 +68,7 @@ def test_triton_bad_offsets_stay_in_bounds(case):
 
 
 def test_plan_clamps_offsets_on_device():
-    from hf_varlen.ops.attention_schedule import EMPTY_LO, row_bounds
+    from hf_varlen.ops.attention.schedule import EMPTY_LO, row_bounds
 
     cu = torch.tensor([-5, 4, 30], dtype=torch.int32)
     lo, hi, qlo, qhi = row_bounds(cu, cu, T, T, -1, 0)

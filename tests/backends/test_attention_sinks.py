@@ -175,7 +175,7 @@ def test_triton_sinks_compile_fullgraph_and_opcheck():
     the same numbers come out, gradients included."""
     from torch._dynamo.utils import counters
 
-    from hf_varlen.ops.attention_ops import forward_op
+    from hf_varlen.ops.attention.torch_library import forward_op
 
     q, k, v, g = make_qkv(LENGTHS, H_Q, H_KV, D, torch.float32, DEVICE, with_grad_out=True)
     sinks = _sinks(device=DEVICE)

@@ -521,3 +521,15 @@ def test_set_auto_order_takes_names_and_rules(monkeypatch):
         registry.set_auto_order(
             "cpu", ["sdpa"], long_documents_first=[registry.LongDocumentsRule("x")]
         )
+
+
+@pytest.mark.parametrize("len_q,len_k", [(1, 1), (4, 4), (3, 6), (6, 3), (0, 3), (3, 0)])
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (2, 0), (0, 0), (2, 3), (-1, 2), (3, -1)])
+def test_sdpa_mask_matches_the_oracle(len_q, len_k, window):
+    """The sdpa backend builds its own visibility mask (production code does not import the test
+    oracle); it must be the oracle's, bottom-right alignment and one-sided windows included."""
+    from hf_varlen.backends.sdpa import _visible
+    from hf_varlen.reference.attention import visibility_mask
+
+    want = visibility_mask(len_q, len_k, causal=False, window_size=window)
+    assert torch.equal(_visible(len_q, len_k, window, None), want)

@@ -40,7 +40,7 @@ from hf_varlen.metadata import (
     mark_dynamic_pack,
 )
 from hf_varlen.ops.attention import triton_varlen_attention
-from hf_varlen.ops.attention_ops import backward_op, forward_op
+from hf_varlen.ops.attention.torch_library import backward_op, forward_op
 from hf_varlen.testing import assert_numerics
 
 

@@ -90,14 +90,14 @@ def test_model_loss_and_grads_match(family):
 def test_drop_ignored_tokens_reaches_the_op(monkeypatch):
     """install_fused_cross_entropy(drop_ignored_tokens=True) drops the masked prompt tokens before
     the matmuls (the option reaches the op), with the same loss and gradients as the default."""
-    from hf_varlen.ops import cross_entropy_chunks as chunks
+    from hf_varlen.ops.cross_entropy import chunks
 
     seen = []
     kept_rows = chunks.kept_rows
     monkeypatch.setattr(
         chunks, "kept_rows", lambda h, y, i, drop: seen.append(drop) or kept_rows(h, y, i, drop)
     )
-    monkeypatch.setattr("hf_varlen.ops.cross_entropy.kept_rows", chunks.kept_rows)
+    monkeypatch.setattr("hf_varlen.ops.cross_entropy.function.kept_rows", chunks.kept_rows)
     plain = _model()
     ids, labels = _batch()
     results = []

@@ -45,10 +45,12 @@ def test_package_is_generated_from_the_sources(tmp_path):
     assert meta["python-depends"] == [] and meta["version"] == 1
     assert meta["id"].isidentifier() and meta["backend"] == {"type": "cuda"}
     root = Path(hf_varlen.__file__).parent
-    ops = sorted((root / "ops").glob("*.py"))
+    ops = sorted(p for p in (root / "ops").rglob("*.py") if "__pycache__" not in p.parts)
     assert ops, "hf_varlen/ops has no modules"
+    assert any(p.parent != root / "ops" for p in ops)  # the per-op packages are copied too
     for src in ops:
-        assert (variant / "ops" / src.name).read_bytes() == src.read_bytes(), src.name
+        rel = src.relative_to(root / "ops")
+        assert (variant / "ops" / rel).read_bytes() == src.read_bytes(), str(rel)
     for name in ("layers.py", "attention.py"):
         assert (variant / "integrations" / "hub" / name).read_bytes() == (
             root / "integrations" / "hub" / name
@@ -65,6 +67,9 @@ def test_copied_modules_must_import_relatively():
         _check_imports("ops/rope.py", b"from hf_varlen.reference import rope\n")
     with pytest.raises(ValueError, match="climbs out of hf_varlen/ops"):
         _check_imports("ops/rope.py", b"from ..reference import rope\n")
+    _check_imports("ops/rope/function.py", b"from ..common import check_int\n")
+    with pytest.raises(ValueError, match="climbs out of hf_varlen/ops"):
+        _check_imports("ops/rope/function.py", b"from ...reference import rope\n")
     with pytest.raises(ValueError, match="climbs out of the hub package"):
         _check_imports("integrations/hub/layers.py", b"from ....x import y\n")
 

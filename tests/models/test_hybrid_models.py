@@ -16,7 +16,11 @@ from tiny_packed import TINY, TOKENS, docs_and_batch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import hf_varlen
-from hf_varlen.integrations.linear_attention import is_installed, is_linear_attention_layer
+from hf_varlen.integrations.linear_attention import (
+    is_installed,
+    is_linear_attention_layer,
+    is_packed_layer,
+)
 from hf_varlen.testing import assert_numerics
 
 ATTN = hf_varlen.ATTN_IMPLEMENTATION
@@ -83,14 +87,35 @@ def test_hybrid_refusals_and_uninstall():
     ):
         model(**batch)
     hf_varlen.install_linear_attention(model)
-    assert "forward" in layer.__dict__ and is_installed(model.config)
+    assert is_packed_layer(layer) and is_installed(model.config)
     ids, pos = batch["input_ids"], batch["position_ids"]
     with pytest.raises(ValueError, match=r"position_ids alone.*cu_seq_lens_q/k"), torch.no_grad():
         model(input_ids=ids, position_ids=pos)
     with pytest.raises(ValueError, match=r"use_cache=False"), torch.no_grad():
         model(**batch, use_cache=True)
     assert hf_varlen.uninstall_linear_attention(model) == 1
-    assert "forward" not in layer.__dict__ and not is_installed(model.config)
+    assert not is_packed_layer(layer) and not is_installed(model.config)
     # position_ids alone, uninstalled: refused for the installer first
     with pytest.raises(ValueError, match=r"install_linear_attention"), torch.no_grad():
         model(input_ids=ids, position_ids=pos)
+
+
+def test_install_survives_transformers_rekernelizing(tmp_path):
+    """transformers >= 5.25 loads kernelized by default and re-kernelizes on train() / eval(),
+    which drops instance forwards of these layers: the install must still hold afterwards."""
+    docs, batch = _docs_and_batch()
+    refs = []
+    for dtype in (torch.float64, torch.float32):
+        ref = _build("qwen3_5_text", "eager", dtype)
+        with torch.no_grad():
+            refs.append(torch.cat([ref(input_ids=d[None]).logits[0] for d in docs]))
+    _build("qwen3_5_text", ATTN).save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation=ATTN)
+    hf_varlen.install_linear_attention(model)
+    model.train()
+    model.eval()
+    layer = next(m for m in model.modules() if is_linear_attention_layer(m))
+    assert is_packed_layer(layer) and type(layer).__name__ == "Qwen3_5GatedDeltaNet"
+    with torch.no_grad():
+        got = model(**batch).logits[0]
+    assert_numerics("qwen3_5 packed after train() / eval()", got, *refs)

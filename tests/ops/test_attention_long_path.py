@@ -18,8 +18,9 @@ import torch
 from attn_cases import check_backend_against_reference, cu_from_lengths
 from test_triton_attention import DEVICE, check
 
-from hf_varlen.ops import attention, attention_schedule
-from hf_varlen.ops.attention_schedule import get_plan, row_bounds, split_orders, tile_spans
+from hf_varlen.ops.attention import launch as attention
+from hf_varlen.ops.attention import schedule as attention_schedule
+from hf_varlen.ops.attention.schedule import get_plan, row_bounds, split_orders, tile_spans
 
 
 def _rows(order, n_launched, tile, n):
@@ -118,7 +119,7 @@ def test_mixed_pack_fused_backward_one_program_per_long_tile(fused_backward, mon
 
 
 def test_launch_grid_is_fixed_by_the_order_not_the_long_tile_count():
-    from hf_varlen.ops.attention_fwd import launch_grid
+    from hf_varlen.ops.attention.fwd import launch_grid
 
     order, n_long = torch.arange(9, dtype=torch.int32), torch.tensor([3], dtype=torch.int32)
     assert launch_grid(order, 4, None) == (order, (32,))  # 8 tiles (the last entry: never run)

@@ -13,10 +13,13 @@ import torch
 from attn_cases import cu_from_lengths
 from test_triton_attention import DEVICE, check
 
-from hf_varlen.ops import attention, attention_bwd, attention_fwd, attention_schedule
+from hf_varlen.ops.attention import bwd as attention_bwd
+from hf_varlen.ops.attention import fwd as attention_fwd
+from hf_varlen.ops.attention import launch as attention
+from hf_varlen.ops.attention import schedule as attention_schedule
 from hf_varlen.ops.attention import triton_varlen_attention
-from hf_varlen.ops.attention_schedule import kernel_launch
-from hf_varlen.ops.attention_tma import block_descriptor
+from hf_varlen.ops.attention.schedule import kernel_launch
+from hf_varlen.ops.attention.tma import block_descriptor
 
 
 def _force_tma(monkeypatch, on: bool = True, long: bool = True):

@@ -221,7 +221,10 @@ os.environ.pop("TRITON_INTERPRET", None)
 import triton, triton.language as tl
 from torch._inductor.codegen.wrapper import (
     user_defined_triton_kernel_transitive_closure_source_code as closure)
-from hf_varlen.ops import cross_entropy_kernel, glu, rmsnorm, rope_kernel
+from hf_varlen.ops.cross_entropy import kernel as cross_entropy_kernel
+from hf_varlen.ops.glu import function as glu
+from hf_varlen.ops.rmsnorm import function as rmsnorm
+from hf_varlen.ops.rope import kernel as rope_kernel
 kernels = [rope_kernel.rope_qk_kernel, glu._glu_fwd_kernel, glu._glu_bwd_kernel,
            rmsnorm._rms_norm_fwd_kernel, rmsnorm._rms_norm_bwd_kernel,
            cross_entropy_kernel._ce_rows_kernel]

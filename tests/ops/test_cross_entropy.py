@@ -16,8 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_varlen.ops import cross_entropy as ce
-from hf_varlen.ops import cross_entropy_chunks as chunks
-from hf_varlen.ops.cross_entropy import fused_linear_cross_entropy
+from hf_varlen.ops.cross_entropy import chunks, fused_linear_cross_entropy
 from hf_varlen.reference.cross_entropy import linear_cross_entropy_reference
 from hf_varlen.testing import assert_numerics
 

@@ -14,9 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_varlen.ops import cross_entropy_chunks as chunks
-from hf_varlen.ops import cross_entropy_ops as ce_ops
-from hf_varlen.ops.cross_entropy import fused_linear_cross_entropy
+from hf_varlen.ops.cross_entropy import chunks, fused_linear_cross_entropy
+from hf_varlen.ops.cross_entropy import torch_library as ce_ops
 from hf_varlen.reference.cross_entropy import linear_cross_entropy_reference
 from hf_varlen.testing import assert_numerics
 

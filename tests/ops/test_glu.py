@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from launch_spy import LaunchSpy
 
-from hf_varlen.ops import glu
+from hf_varlen.ops.glu import function as glu
 from hf_varlen.ops.glu import geglu, swiglu
 from hf_varlen.reference.glu import geglu_reference, swiglu_reference
 from hf_varlen.testing import assert_numerics

@@ -3,8 +3,11 @@ triton (the ops themselves need it)."""
 
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
+
+import pytest
 
 import hf_varlen
 import hf_varlen.ops as ops
@@ -72,3 +75,76 @@ def test_import_without_triton():
         [sys.executable, "-c", _NO_TRITON], capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
+_MOVED = {  # the flat module paths of earlier releases -> where the code lives now
+    "attention_fwd": "attention.fwd",
+    "attention_bwd": "attention.bwd",
+    "attention_ops": "attention.torch_library",
+    "attention_schedule": "attention.schedule",
+    "attention_tma": "attention.tma",
+    "cross_entropy_chunks": "cross_entropy.chunks",
+    "cross_entropy_kernel": "cross_entropy.kernel",
+    "cross_entropy_ops": "cross_entropy.torch_library",
+    "rope_kernel": "rope.kernel",
+}
+
+
+@pytest.mark.parametrize("old", sorted(_MOVED))
+def test_old_flat_paths_warn_and_forward(old):
+    sys.modules.pop(f"hf_varlen.ops.{old}", None)
+    with pytest.warns(DeprecationWarning, match=f"import hf_varlen.ops.{_MOVED[old]} instead"):
+        module = importlib.import_module(f"hf_varlen.ops.{old}")
+    target = importlib.import_module(f"hf_varlen.ops.{_MOVED[old]}")
+    names = [n for n in vars(target) if not n.startswith("__")]
+    assert names
+    for name in names:  # private names too: scripts of earlier releases reached for kernels
+        assert getattr(module, name) is getattr(target, name), name
+
+
+def test_op_packages_export_what_the_flat_modules_did():
+    from hf_varlen.ops import attention, cross_entropy, glu, rmsnorm
+
+    for name in ("triton_attention", "forward_launch", "backward_launch", "apply_sinks",
+                 "sinks_grad", "triton_attention_op", "SUPPORTED_DTYPES", "MAX_HEAD_DIM"):  # fmt: skip
+        assert getattr(attention, name) is getattr(
+            importlib.import_module(f"hf_varlen.ops.attention.{attention._EXPORTS[name]}"), name
+        )
+    assert {"ce_rows_torch", "ce_rows_triton", "default_chunk_size"} <= set(cross_entropy.__all__)
+    assert glu.glu_forward and glu.glu_backward
+    assert rmsnorm.rms_norm_forward and rmsnorm.rms_norm_backward
+
+
+def test_ops_modules_import_without_cycles():
+    """The relative imports inside hf_varlen/ops form no cycle (a cycle hid behind a bottom-of-file
+    import between the attention function and its registered ops)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(ops.__file__).parent
+    graph = {}
+    for path in root.rglob("*.py"):
+        if "_deprecated" in path.parts:  # forwarding modules of old paths, imported on demand
+            continue
+        parts = path.relative_to(root).with_suffix("").parts
+        name = ".".join(p for p in parts if p != "__init__")
+        package = parts[:-1] if parts[-1] != "__init__" else parts[:-1]
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level > 0 and node.module:
+                base = package[: len(package) - (node.level - 1)]
+                deps.add(".".join((*base, *node.module.split("."))))
+        graph[name] = deps
+    state = {}
+
+    def visit(name, stack):
+        assert state.get(name) != "open", f"import cycle: {' -> '.join((*stack, name))}"
+        if state.get(name) is None and name in graph:
+            state[name] = "open"
+            for dep in graph[name]:
+                visit(dep, (*stack, name))
+            state[name] = "done"
+
+    for name in graph:
+        visit(name, ())
+    assert graph["attention.function"] >= {"attention.launch", "attention.torch_library"}

@@ -6,7 +6,7 @@ import pytest
 import torch
 from launch_spy import LaunchSpy
 
-from hf_varlen.ops import rmsnorm
+from hf_varlen.ops.rmsnorm import function as rmsnorm
 from hf_varlen.ops.rmsnorm import rms_norm
 from hf_varlen.reference.rmsnorm import rms_norm_reference
 from hf_varlen.testing import assert_numerics

@@ -12,9 +12,9 @@ import math
 import pytest
 import torch
 
-from hf_varlen.ops import rope as rope_ops
-from hf_varlen.ops import rope_kernel
 from hf_varlen.ops.rope import apply_rotary_qk, rotary_pos_emb
+from hf_varlen.ops.rope import function as rope_ops
+from hf_varlen.ops.rope import kernel as rope_kernel
 from hf_varlen.reference.rope import apply_rotary_qk_reference, positions_from_cu_seqlens
 from hf_varlen.testing import assert_numerics
 

@@ -1,4 +1,4 @@
-"""Triton varlen attention (hf_varlen/ops/attention.py, backend "triton") against the reference.
+"""Triton varlen attention (hf_varlen/ops/attention/, backend "triton") against the reference.
 
 CPU: the kernels run under TRITON_INTERPRET=1 (set by conftest.py) in fp32/fp16 with small shapes
 (the interpreter's bf16 tl.dot is broken). GPU (marked): bf16 numerics through the public
@@ -12,7 +12,7 @@ import torch
 from attn_cases import check_backend_against_reference, cu_from_lengths, make_qkv, record_calls
 
 from hf_varlen.ops.attention import triton_varlen_attention
-from hf_varlen.ops.attention_schedule import EMPTY_LO, get_plan, heaviest_first, row_bounds
+from hf_varlen.ops.attention.schedule import EMPTY_LO, get_plan, heaviest_first, row_bounds
 from hf_varlen.reference.attention import attention_reference, visibility_mask
 from hf_varlen.testing import assert_numerics
 
@@ -250,7 +250,7 @@ def test_fused_backward_many_tiny_documents_fp16(fused_backward):
 
 def test_deterministic_request_takes_the_split_backward(fused_backward, monkeypatch):
     """The fused backward sums dQ with atomics; a deterministic request never gets it."""
-    from hf_varlen.ops import attention_bwd
+    from hf_varlen.ops.attention import bwd as attention_bwd
 
     launched = []
     for name in ("backward_dq", "backward_delta"):
@@ -275,7 +275,8 @@ def test_deterministic_request_takes_the_split_backward(fused_backward, monkeypa
 def test_int64_indexing_path_matches_reference(backward, monkeypatch, request):
     """The LONG_INDEXING kernels (int64 offsets, taken past 2^31 elements: a GPU-only size) on a
     small pack, forced on: the same numbers as the int32 path's reference check."""
-    from hf_varlen.ops import attention_bwd, attention_fwd
+    from hf_varlen.ops.attention import bwd as attention_bwd
+    from hf_varlen.ops.attention import fwd as attention_fwd
 
     if backward == "fused":
         request.getfixturevalue("fused_backward")
@@ -285,7 +286,7 @@ def test_int64_indexing_path_matches_reference(backward, monkeypatch, request):
 
 
 def test_tuning_override_sets_the_fused_backward(tmp_path, monkeypatch):
-    from hf_varlen.ops import attention_schedule as sched
+    from hf_varlen.ops.attention import schedule as sched
 
     cfg = [128, 32, 4, 3, 16, 64, 64, 4, 2, 32, 64, 32, 4, 2, 8]
     path = tmp_path / "cfg.json"
@@ -298,7 +299,7 @@ def test_tuning_override_sets_the_fused_backward(tmp_path, monkeypatch):
 def test_dkdv_pipeline_stages_follow_the_gqa_fold(tmp_path, monkeypatch):
     """Head dim 128 ships 3 dK/dV stages where heads fold into the steps, 2 where none do (H200
     run N); a tuning override's 17th entry sets the unfolded depth."""
-    from hf_varlen.ops import attention_schedule as sched
+    from hf_varlen.ops.attention import schedule as sched
 
     c128, c64 = sched._CUDA_CONFIGS[128], sched._CUDA_CONFIGS[64]
     assert (c128.kv_stages_at(4), c128.kv_stages_at(2), c128.kv_stages_at(1)) == (3, 3, 2)
@@ -323,7 +324,9 @@ def test_dkdv_launch_takes_the_stages_of_its_fold(h_q, h_kv, fold_stages, monkey
     kv_stages_unfolded, folded GQA steps kv_stages."""
     import dataclasses
 
-    from hf_varlen.ops import attention, attention_bwd, attention_schedule
+    from hf_varlen.ops.attention import bwd as attention_bwd
+    from hf_varlen.ops.attention import launch as attention
+    from hf_varlen.ops.attention import schedule as attention_schedule
 
     cfg = dataclasses.replace(attention_schedule._INTERPRETER_CONFIG, kv_stages=2,
                               kv_stages_unfolded=1)  # fmt: skip
@@ -444,7 +447,8 @@ def test_gpu_int64_offsets_past_2_pow_31():
 
 
 def _n_compiled() -> int:
-    from hf_varlen.ops import attention_bwd, attention_fwd
+    from hf_varlen.ops.attention import bwd as attention_bwd
+    from hf_varlen.ops.attention import fwd as attention_fwd
 
     kernels = (
         attention_fwd._attn_fwd_kernel,

@@ -12,8 +12,8 @@ being dropped.
 
 transformers passes a sliding window W as ``window_size=(W - 1, W - 1)`` together with
 ``causal=True``; causality is folded into the window (the right edge becomes 0) by hf_varlen's one
-definition, ``hf_varlen.ops.common.causal_window``, as on every route. ``max_seqlen_*`` may
-arrive as a 0-d tensor (transformers' position_ids path); it is converted to ``int`` once here.
+definition, ``hf_varlen.ops.common.causal_window``, as on every route. ``max_seqlen_*`` may arrive as a 0-d tensor (transformers' position_ids path);
+it is converted to ``int`` once here (``ops.common.max_length_int``, the one conversion).
 
 This file is copied into the generated hub kernel package. Unlike the layers, attention goes through
 the installed ``hf_varlen`` (imported when first called), so the hub route and
@@ -24,21 +24,6 @@ the installed ``hf_varlen`` (imported when first called), so the hub route and
 from __future__ import annotations
 
 import torch
-
-
-def _as_int(value, name: str) -> int:
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise ValueError(
-                f"{name} must be an int or a 1-element tensor, got shape {tuple(value.shape)}"
-            )
-        # Host read, intended: the hub route (transformers' flash_attention_forward) hands over
-        # max_seqlen as a 0-d tensor; read once per call on that eager route. varlen_packed and
-        # the compiled path never come here (they take the collator's ints).
-        return int(value.item())
-    if not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    return value
 
 
 def _unsupported(alibi_slopes, return_attn_probs) -> None:
@@ -70,7 +55,7 @@ def flash_attn_varlen_func(
 ):
     """Packed attention with FA2's ``flash_attn_varlen_func`` signature (see the module doc)."""
     from hf_varlen import varlen_attention
-    from hf_varlen.ops.common import causal_window
+    from hf_varlen.ops.common import causal_window, max_length_int
 
     _unsupported(alibi_slopes, return_attn_probs)
     return varlen_attention(
@@ -79,8 +64,11 @@ def flash_attn_varlen_func(
         v,
         cu_seqlens_q,
         cu_seqlens_k,
-        _as_int(max_seqlen_q, "max_seqlen_q"),
-        _as_int(max_seqlen_k, "max_seqlen_k"),
+        # Host read, intended: transformers' flash_attention_forward hands max_seqlen over as a
+        # 0-d tensor on this eager route, read once per call; varlen_packed and the compiled
+        # path never come here (they take the collator's ints).
+        max_length_int("max_seqlen_q", max_seqlen_q, host_read=True),
+        max_length_int("max_seqlen_k", max_seqlen_k, host_read=True),
         softmax_scale=softmax_scale,
         causal=bool(causal),
         window_size=causal_window(bool(causal), window_size),

@@ -50,7 +50,7 @@ returns the head's gradients in fp32, so it tracks an fp32 run more closely (tin
 step at lr 1: loss 4.5e-3 from fp32 with ours, 1.2e-3 with TRL's head; within the numerics rule of
 transformers' own head, tests/integrations/test_trl_fused_loss.py). In fp32 both agree to rounding: TRL's head
 sums the hidden-state gradient over vocabulary tiles in fp32, and so does the fused op in fp32
-(``cross_entropy_chunks.DH_VOCAB_BLOCK_FP32``; one GEMM over all 152K columns was ~3x noisier on
+(``cross_entropy.chunks.DH_VOCAB_BLOCK_FP32``; one GEMM over all 152K columns was ~3x noisier on
 the H200).
 
 Evaluation: ``prediction_loss_only`` gets the fused loss (no logits); when ``compute_metrics``

@@ -61,11 +61,11 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.graph import increment_version
 
-from ._triton_common import INT32_LIMIT, kernel_op, launcher
-from ._triton_common import INTERPRET as _INTERPRET
-from .common import check_int
-from .library import compiling
-from .rope_kernel import rope_qk_kernel
+from .._triton_common import INT32_LIMIT, kernel_op, launcher
+from .._triton_common import INTERPRET as _INTERPRET
+from ..common import check_int
+from ..library import compiling
+from .kernel import rope_qk_kernel
 
 __all__ = ["apply_rotary_qk", "rotary_pos_emb"]
 
@@ -424,18 +424,10 @@ def _conjugate_one(ctx, dx_out: torch.Tensor) -> torch.Tensor:
 # Registered ops: what torch.compile traces (see the module docstring).
 @kernel_op("rope_qk")
 def _rope_qk_op(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    pos: torch.Tensor | None,
-    cu: torch.Tensor | None,
-    interleaved: bool,
-    rotary_dim: int,
-    pos_mode: int,
-    conjugate: bool,
-    out_dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    pos: torch.Tensor | None, cu: torch.Tensor | None, interleaved: bool, rotary_dim: int,
+    pos_mode: int, conjugate: bool, out_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     st = _Static(interleaved, rotary_dim, pos_mode)
     q_out, k_out = _empty_token_major(q, out_dtype), _empty_token_major(k, out_dtype)
     _launch(q, k, q_out, k_out, cos, sin, pos, cu, st, conjugate=conjugate, traced=True)
@@ -444,16 +436,10 @@ def _rope_qk_op(
 
 @kernel_op("rope_qk_", mutates_args=("q", "k"))
 def _rope_qk_inplace_op(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    pos: torch.Tensor | None,
-    cu: torch.Tensor | None,
-    interleaved: bool,
-    rotary_dim: int,
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    pos: torch.Tensor | None, cu: torch.Tensor | None, interleaved: bool, rotary_dim: int,
     pos_mode: int,
-) -> None:
+) -> None:  # fmt: skip
     st = _Static(interleaved, rotary_dim, pos_mode)
     _launch(q, k, q, k, cos, sin, pos, cu, st, conjugate=False, traced=True)
 

@@ -21,9 +21,9 @@ backward; the atomics make the summation order of dQ vary between runs. With ``K
 each step's dQ block goes into the buffer as one bulk TMA reduction (FA3's scheme) instead of
 per-element atomics.
 
-Both are launched over heaviest-first tile orders (attention_schedule.py). With
+Both are launched over heaviest-first tile orders (schedule.py). With
 ``KernelConfig.tma`` the blocks each inner loop streams (K/V in dQ, Q/dO in dK/dV) come through
-tensor descriptors where the layout allows (attention_tma.py).
+tensor descriptors where the layout allows (tma.py).
 Shapes: q/do/o/dq (T_q, H_q, D), dq_acc (T_q, H_q, D) fp32, k/v/dk/dv (T_k, H_kv, D),
 lse/delta (H_q, T_q) fp32, lo/hi (T_q,) and qlo/qhi (T_k,) int32.
 """
@@ -34,22 +34,23 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_common import INTERPRET
-from .attention_fwd import (
+from .._triton_common import INTERPRET
+from .fwd import (
     _desc_rows,
     _dot,
     _keys_t,
     _load,
+    _query_rows,
     _scores,
-    _split,
     _tanh,
+    _tile_bounds,
     launch_grid,
     launcher,
     needs_long_indexing,
     score_constants,
 )
-from .attention_schedule import launch_passes
-from .attention_tma import stream_descriptors
+from .schedule import launch_passes
+from .tma import stream_descriptors
 
 _INTERPRETED = tl.constexpr(INTERPRET)  # the interpreter has no descriptor reductions
 
@@ -97,32 +98,14 @@ def _dq_tile(
     LONG_INDEXING: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
     """One work item: query tile ORDER[work // N_HEAD_BLOCKS] x head block work % N_HEAD_BLOCKS."""
-    EMPTY: tl.constexpr = 2147483647
-    TILE: tl.constexpr = BLOCK_M // FOLD
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
-    tile = tl.load(ORDER + work // N_HEAD_BLOCKS)
-    head_block = work % N_HEAD_BLOCKS
-    r = tl.arange(0, BLOCK_M)
-    tok = tile * TILE + r // FOLD
-    head = head_block * FOLD + r % FOLD
-    kv_head = (head_block * FOLD) // GROUP
-    kv_head_tma = kv_head  # descriptor coordinates are int32
-    row_ok = (r < TILE * FOLD) & (tok < T_q)
-    if LONG_INDEXING:
-        tok = tok.to(tl.int64)
-        head = head.to(tl.int64)
-        kv_head = kv_head.to(tl.int64)
+    tok, head, kv_head, kv_head_tma, row_ok = _query_rows(
+        work, ORDER, T_q, N_HEAD_BLOCKS, GROUP, FOLD, BLOCK_M, LONG_INDEXING
+    )
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     io_mask = row_ok[:, None] & d_ok[None, :]
-
-    lo = tl.load(LO + tok, mask=row_ok, other=EMPTY)
-    hi = tl.load(HI + tok, mask=row_ok, other=-1)
-    span_lo = tl.min(lo, 0)
-    span_hi = tl.max(hi, 0)
-    full_lo = tl.max(tl.where(row_ok, lo, -1), 0)
-    full_hi = tl.min(tl.where(row_ok, hi, EMPTY), 0)
-    n_head, n_mid, n_all = _split(span_lo, span_hi, full_lo, full_hi, BLOCK_N)
+    lo, hi, span_lo, span_hi, n_head, n_mid, n_all = _tile_bounds(LO, HI, tok, row_ok, BLOCK_N)
 
     q = tl.load(
         Q + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
@@ -284,7 +267,6 @@ def _dkdv_tile(
     LONG_INDEXING: tl.constexpr, ATOMIC_DQ: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
     """One work item: key tile ORDER[work // H_KV] x KV head work % H_KV."""
-    EMPTY: tl.constexpr = 2147483647
     TILE: tl.constexpr = BLOCK_M // FOLD  # query tokens per inner step
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     PAD_ROWS: tl.constexpr = TILE * FOLD != BLOCK_M  # rows past TILE * FOLD are padding
@@ -300,14 +282,8 @@ def _dkdv_tile(
     d_ok = d < HEAD_DIM
     kv_mask = col_ok[:, None] & d_ok[None, :]
 
-    qlo = tl.load(QLO + cols, mask=col_ok, other=EMPTY)
-    qhi = tl.load(QHI + cols, mask=col_ok, other=-1)
-    span_lo = tl.min(qlo, 0)
-    span_hi = tl.max(qhi, 0)
-    # query rows every real key of the tile is seen by; key rows past T are never stored
-    full_lo = tl.max(tl.where(col_ok, qlo, -1), 0)
-    full_hi = tl.min(tl.where(col_ok, qhi, EMPTY), 0)
-    n_head, n_mid, n_all = _split(span_lo, span_hi, full_lo, full_hi, TILE)
+    # the query rows that see the tile's keys (the plan's bounds transposed), in steps of TILE
+    qlo, qhi, span_lo, span_hi, n_head, n_mid, n_all = _tile_bounds(QLO, QHI, cols, col_ok, TILE)
 
     k = tl.load(
         K + cols[:, None] * stride_kt + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0
@@ -437,7 +413,7 @@ def backward_dq(
     bound: tuple[torch.Tensor, int] | None = None, tma: bool = False,
 ) -> None:  # fmt: skip
     """Launch the dQ kernel; writes dq and delta (H_q, T_q) in place (the rows of this launch's
-    tiles). ``bound``, ``tma`` (K/V through descriptors): see attention_fwd.attention_forward."""
+    tiles). ``bound``, ``tma`` (K/V through descriptors): see fwd.attention_forward."""
     scale_a, scale_b = score_constants(softmax_scale, softcap)
     n_head_blocks = q.shape[1] // fold
     n_work, grid = launch_grid(order, n_head_blocks, bound)
@@ -475,7 +451,7 @@ def backward_dkdv(
     place. With ``dq_acc`` ((T_q, H_q, D) fp32, zeroed) it also adds every tile's scale * dS K
     into it with atomics (the fused backward: no dQ kernel, not bitwise repeatable). ``tma``:
     Q/dO through descriptors of (block_m / fold tokens, fold heads) blocks where the layout allows
-    (attention_tma.py; never with padding rows, whose fold is not a power of two), and the fused
+    (tma.py; never with padding rows, whose fold is not a power of two), and the fused
     dQ added as one bulk reduction per block instead of per-element atomics (on the GPU: the
     interpreter has no descriptor reductions)."""
     scale_a, scale_b = score_constants(softmax_scale, softcap)
@@ -535,7 +511,7 @@ def attention_backward(
     atomics: 5 matmuls per visible block instead of 7 (the split dQ kernel recomputes S and dP),
     at the price of an fp32 (T_q, H_q, D) buffer and a summation order that varies from run to run.
     ``deterministic`` is the caller's request for a bitwise-repeatable backward: it always gets
-    the split one. ``long`` (attention_schedule.LongPath): each kernel runs twice, short-config
+    the split one. ``long`` (schedule.LongPath): each kernel runs twice, short-config
     tiles then the long-document tiles (each row still written by one program).
     """
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)

@@ -26,7 +26,7 @@ count them, refused inside a CUDA-graph capture):
     row kernel: lse, loss_t, and dloss/dx written IN PLACE over the logits (fp32 math)
     dh_c  = dlogits @ W                            cuBLAS, straight into the (N, H) output (fp32:
                                                    summed over blocks of 16K vocabulary columns,
-                                                   cross_entropy_chunks.DH_VOCAB_BLOCK_FP32)
+                                                   chunks.DH_VOCAB_BLOCK_FP32)
     dW   += dlogits^T @ h_c                        fp32 accumulator (see below; one chunk: dW
                                                    is that one matmul, in the weight's dtype)
     db   += sum_rows(dlogits)
@@ -46,7 +46,7 @@ The row kernel reads the (C, V) logits twice (online max/sum-exp, then the gradi
 once; it runs one program per row, streaming V in BLOCK_V pieces. A pure-torch version of the same
 row step (same chunking) runs on CPU outside the Triton interpreter, so CPU training is not slowed
 down by the interpreter; ``backend="auto"`` picks by device. The Triton kernel lives in
-``cross_entropy_kernel.py``, imported only where triton is installed: without it (CPU-only installs)
+``kernel.py``, imported only where triton is installed: without it (CPU-only installs)
 "auto" is the torch row step and "triton" raises.
 
 Dispatch: ``torch.ops.hf_varlen.fused_linear_ce`` (+ ``fused_linear_ce_rows_bwd`` for "none") is an
@@ -57,8 +57,8 @@ while torch.compile traces; eager calls keep the ``autograd.Function`` (a regist
 costs ~20 us more host time per call on CPU, torch 2.13). Both run the same chunk loop.
 
 Modules: this one (validation, the eager autograd.Function, the public function),
-``cross_entropy_chunks.py`` (row step launchers, the chunk loop, row compaction),
-``cross_entropy_ops.py`` (the registered ops), ``cross_entropy_kernel.py`` (the Triton row kernel).
+``chunks.py`` (row step launchers, the chunk loop, row compaction),
+``torch_library.py`` (the registered ops), ``kernel.py`` (the Triton row kernel).
 
 Shapes: hidden (..., H) (e.g. (B, T, H) or packed (T, H)), labels (...) aligned with hidden: the
 label of row t is the target for row t. The op does NOT shift; HF's causal shift belongs to the
@@ -72,8 +72,9 @@ import os
 
 import torch
 
-from .common import IGNORE_INDEX, check_int, env_flag
-from .cross_entropy_chunks import (
+from ..common import IGNORE_INDEX, check_int, env_flag
+from ..library import compiling
+from .chunks import (
     LossConfig,
     at_least_one,
     ce_rows_torch,
@@ -83,8 +84,7 @@ from .cross_entropy_chunks import (
     linear_ce_chunks,
     scatter_rows,
 )
-from .cross_entropy_ops import fused_linear_ce_traced
-from .library import compiling
+from .torch_library import fused_linear_ce_traced
 
 __all__ = ["ce_rows_torch", "ce_rows_triton", "default_chunk_size", "fused_linear_cross_entropy"]
 
@@ -112,15 +112,9 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         # "none" has a per-token grad_output, known only in backward: recompute there.
         defer = cfg.reduction == "none" and need_grad
         loss, dh, dw, db = linear_ce_chunks(
-            h,
-            weight,
-            bias,
-            y,
-            cfg,
-            need_dh=need_dh and not defer,
-            need_dw=need_dw and not defer,
+            h, weight, bias, y, cfg, need_dh=need_dh and not defer, need_dw=need_dw and not defer,
             need_db=need_db and not defer,
-        )
+        )  # fmt: skip
         if defer:
             ctx.save_for_backward(h, weight, bias, y)
         elif need_grad:
@@ -194,18 +188,8 @@ def _resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
-def _check_inputs(
-    hidden,
-    weight,
-    labels,
-    bias,
-    reduction,
-    softcap,
-    label_smoothing,
-    z_loss,
-    chunk_size,
-    logit_scale,
-):
+def _check_inputs(hidden, weight, labels, bias, reduction, softcap, label_smoothing, z_loss,
+                  chunk_size, logit_scale):  # fmt: skip
     for name, t in (("hidden", hidden), ("weight", weight), ("labels", labels)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -310,18 +294,8 @@ def fused_linear_cross_entropy(
         dtype = torch.get_autocast_dtype(hidden.device.type)
         hidden, weight = hidden.to(dtype), weight.to(dtype)
         bias = None if bias is None else bias.to(dtype)
-    _check_inputs(
-        hidden,
-        weight,
-        labels,
-        bias,
-        reduction,
-        softcap,
-        label_smoothing,
-        z_loss,
-        chunk_size,
-        logit_scale,
-    )
+    _check_inputs(hidden, weight, labels, bias, reduction, softcap, label_smoothing, z_loss,
+                  chunk_size, logit_scale)  # fmt: skip
     check_int("ignore_index", ignore_index, None)
     if not isinstance(drop_ignored_tokens, bool):
         raise TypeError(f"drop_ignored_tokens: expected True or False, got {drop_ignored_tokens!r}")

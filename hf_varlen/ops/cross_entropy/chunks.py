@@ -1,11 +1,11 @@
 """The fused linear cross-entropy's algorithm: the row step, the chunk driver, row compaction.
 
-The math, the contract and why the dW accumulator is fp32 are in ``cross_entropy.py`` (the public
+The math, the contract and why the dW accumulator is fp32 are in ``function.py`` (the public
 function); this module is what both the eager autograd path and the registered op
-(``cross_entropy_ops.py``) run:
+(``torch_library.py``) run:
 
     ce_rows_torch / ce_rows_triton   row step: lse, loss_t and dloss/dlogits in place over a chunk
-                                     (C, V) of logits; Triton in cross_entropy_kernel.py
+                                     (C, V) of logits; Triton in kernel.py
     linear_ce_chunks                 the chunk loop: matmuls around the row step, every gradient
                                      computed during the forward
     kept_rows / scatter_rows         the rows the chunk loop runs over: all (default, no sync), or
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 try:  # the Triton row kernel; without triton only the pure-torch row step exists
-    from .cross_entropy_kernel import ce_rows_triton
+    from .kernel import ce_rows_triton
 except ModuleNotFoundError as exc:
     if exc.name != "triton" and not (exc.name or "").startswith("triton."):
         raise
@@ -39,7 +39,7 @@ _CHUNK_BYTES_DEFAULT = 1 << 26
 DH_VOCAB_BLOCK_FP32 = 16384
 
 # ----------------------------------------------------------------------------------------------
-# Row step launchers (tensor in/out, no autograd): Triton (cross_entropy_kernel.py) and pure
+# Row step launchers (tensor in/out, no autograd): Triton (kernel.py) and pure
 # torch, same contract
 # ----------------------------------------------------------------------------------------------
 

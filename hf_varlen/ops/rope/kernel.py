@@ -1,4 +1,4 @@
-"""The Triton kernel of the fused QK RoPE (``rope.py`` holds the math, the layouts, the launch and
+"""The Triton kernel of the fused QK RoPE (``function.py`` holds the math, the layouts, the launch and
 the autograd; this module only the device code).
 
 ``rope_qk_kernel``: one launch rotates q and k (the first R of D features; the rest pass through)
@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._triton_common import round_to
+from .._triton_common import round_to
 
 # ----------------------------------------------------------------------------------------------
 # Triton kernel

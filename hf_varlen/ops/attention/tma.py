@@ -7,7 +7,7 @@ spends no registers on the block's addresses and masks. Compiled for sm_90 with 
 (scripts/gpu_evidence/kernel_resources.py, docs/BENCHMARKS.md), the 32/8/128 kernels, which all sit at the
 255-register cap, spill about half as much (long forward 262 -> 142 spill instructions, long dK/dV
 136 -> 72; the short dK/dV's 13 and the short forward's 8 go to 0) and the dQ kernels need fewer
-registers (short 255 -> 189). On the H200 that buys no time (docs/BENCHMARKS.md run Q: f+b
+registers (short 255 -> 189). On the H200 that buys no time (scripts/bench_attention.py: f+b
 0.95-1.68x the pointer loads, faster only on two 40/8/128 packs, by 2-5%), so no config ships
 with it; it stays a tuning choice for later tritons.
 
@@ -26,9 +26,9 @@ through pointers as before: ``tma`` is a tuning choice, never a user's.
 from __future__ import annotations
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
 
-from ._triton_common import INTERPRET
+from .._triton_common import INTERPRET
+from ..common import tracing
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -83,9 +83,9 @@ def block_descriptor(t: torch.Tensor, rows: int, heads: int, block_d: int):
 def _data_ptr(t: torch.Tensor) -> int | None:
     """The address, or None for a traced (fake / functional) tensor. Traced launches take no
     descriptors: Inductor (torch 2.11) cannot carry a host-built descriptor into a graph (its
-    mutation analysis loses the descriptor arguments and its graph cache fails hashing them,
-    docs/BENCHMARKS.md run Q), so a compiled graph loads through pointers."""
-    if torch.compiler.is_compiling() or is_fake(t):
+    mutation analysis loses the descriptor arguments and its graph cache fails hashing them), so
+    a compiled graph loads through pointers."""
+    if tracing(t):
         return None
     try:
         return t.data_ptr()

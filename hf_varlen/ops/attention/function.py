@@ -9,7 +9,7 @@ FlashAttention-2 rules allow it (causal with bottom-right alignment, sliding win
 Shapes: q (T_q, H_q, D), k/v (T_k, H_kv, D), cu_seqlens_q/k (n_docs + 1,) int32 (document i is rows
 cu[i]:cu[i+1]), out (T_q, H_q, D), lse (H_q, T_q) fp32 (natural log; +inf for rows that see no key).
 
-Why it is fast on packs of short documents (details in attention_schedule.py): the grid covers only
+Why it is fast on packs of short documents (details in schedule.py): the grid covers only
 real tokens (ceil(T / tile) tiles x head groups, from T alone - no device->host sync), several short
 documents share one tile behind a block-diagonal mask, query heads of a KV group are folded into one
 tile, heavy tiles are launched first, and configs depend on head_dim/dtype only, so a new pack never
@@ -21,42 +21,36 @@ one reduction (``sinks_grad``).
 
 Backward: by default a dQ kernel and a dK/dV kernel, no atomics, so bitwise deterministic and
 ``deterministic=True`` (or FLASH_ATTENTION_DETERMINISTIC=1, or torch's deterministic algorithms)
-costs nothing. A config with ``bwd_fused`` (attention_schedule.KernelConfig; off in the shipped
-configs: slower on the H200, docs/BENCHMARKS.md runs E, F and Q) takes the FA2-style fused
-backward instead (atomic dQ, 5 matmuls per block instead of 7), except where a deterministic
-backward is requested. Dropout is not implemented
-(dropout_p > 0 raises).
+costs nothing. A config with ``bwd_fused`` (schedule.KernelConfig; off in the shipped
+configs: slower on the H200 in every tuning sweep so far) takes the FA2-style fused backward
+instead (atomic dQ, 5 matmuls per block instead of 7), except where a deterministic backward is
+requested. Dropout is not implemented (dropout_p > 0 raises).
 
 Under torch.compile the call goes through the registered ops ``torch.ops.hf_varlen.triton_attention``
-/ ``triton_attention_backward`` (attention_ops.py: ``triton_op`` + ``wrap_triton``, so Inductor sees
+/ ``triton_attention_backward`` (torch_library.py: ``triton_op`` + ``wrap_triton``, so Inductor sees
 the kernels; fake implementations; autograd via ``register_autograd``). Eager calls skip the
 dispatcher (an autograd.Function with the plan cached across layers): same kernels, same numbers.
 
-Module layout: attention_schedule.py (bounds, tile orders, configs), attention_fwd.py (forward
-kernel), attention_bwd.py (backward kernels), attention_ops.py (torch.library ops), this file
-(validation, autograd, public function).
+Module layout: schedule.py (bounds, tile orders, configs), fwd.py (forward kernel), bwd.py
+(backward kernels), launch.py (configs picked, kernels launched, sinks), torch_library.py
+(torch.library ops), this file (validation, autograd, public function).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .attention_bwd import attention_backward
-from .attention_fwd import attention_forward
-from .attention_schedule import (
-    get_plan,
-    launch_passes,
-    pick_config,
-    pick_long_path,
-)
-from .common import (
+from ..common import (
     attention_scale,
     attention_softcap,
     causal_window,
     check_sinks,
     deterministic_requested,
 )
-from .library import compiling
+from ..library import compiling
+from .launch import _last_dim_contiguous, apply_sinks, backward_launch, forward_launch, sinks_grad
+from .schedule import get_plan
+from .torch_library import triton_attention_op
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -117,64 +111,6 @@ def _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softcap) -> No
         )
     if dropout_p != 0.0:
         raise ValueError(f"dropout_p > 0 is not supported by the triton backend, got {dropout_p}")
-
-
-def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
-def forward_launch(q, k, v, plan, softmax_scale, softcap, traceable=False):
-    """Forward over a plan: (o (T_q, H_q, D), lse (H_q, T_q) fp32). q/k/v: unit last stride.
-    With a long path (attention_schedule.LongPath) the long-document tiles run in a second
-    launch with bigger blocks, writing its rows of the same o / lse."""
-    cfg = pick_config(q.shape[2], q.dtype, q.device)
-    long = pick_long_path(q.shape[2], q.dtype, q.device)
-    out = None
-    for order, c, fold, bound in launch_passes(
-        plan, "fwd", cfg, long, q.shape[1] // k.shape[1], q.device
-    ):
-        out = attention_forward(
-            q, k, v, plan.lo_q, plan.hi_q, order, softmax_scale=softmax_scale, softcap=softcap,
-            fold=fold, block_m=c.fwd_block_m, block_n=c.fwd_block_n, num_warps=c.fwd_warps,
-            num_stages=c.fwd_stages, traceable=traceable, out=out, bound=bound, tma=c.tma,
-        )  # fmt: skip
-    return out
-
-
-def backward_launch(
-    do, q, k, v, o, lse, plan, softmax_scale, softcap, deterministic, traceable=False
-):
-    """(dq, dk, dv) over a plan (attention_bwd.attention_backward with this shape's configs)."""
-    return attention_backward(
-        _last_dim_contiguous(do), q, k, v, o, lse, plan,
-        softmax_scale=softmax_scale, softcap=softcap,
-        cfg=pick_config(q.shape[2], q.dtype, q.device), deterministic=deterministic,
-        traceable=traceable, long=pick_long_path(q.shape[2], q.dtype, q.device),
-    )  # fmt: skip
-
-
-def apply_sinks(o: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor):
-    """Attention sinks from the kernel's result, outside the kernel (gpt-oss's ``s_aux``).
-
-    A sink adds exp(s_h) to each row's softmax denominator and no value. With L = exp(lse) the
-    row's own denominator: o' = o * L / (L + e^s) = o * sigmoid(lse - s) and
-    lse' = log(L + e^s) = logaddexp(lse, s). Rows that see no key (lse = +inf) stay zeros.
-    o (T_q, H_q, D), lse (H_q, T_q) fp32, sinks (H_q,) -> (o', lse')."""
-    s = sinks.float()[:, None]  # (H_q, 1)
-    scale = torch.sigmoid(lse - s)  # (H_q, T_q)
-    out = (o.float() * scale.t()[:, :, None]).to(o.dtype)
-    return out, torch.logaddexp(lse, s)
-
-
-def sinks_grad(do: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor):
-    """d loss / d sinks (H_q,) from the sink-adjusted o', lse' (``apply_sinks``).
-
-    The sink is one more softmax column with probability P_i = exp(s_h - lse'_i) and no value, so
-    its dP is 0 and its dS = P_i * (0 - delta_i), delta_i = rowsum(dO * o') (the kernels' delta):
-    d s_h = -sum_i exp(s_h - lse'_i) * delta_i over the rows of head h."""
-    delta = (do.float() * o.float()).sum(-1).t()  # (H_q, T_q)
-    p = torch.exp(sinks.float()[:, None] - lse)
-    return -(p * delta).sum(-1).to(sinks.dtype)
 
 
 class _TritonVarlenAttention(torch.autograd.Function):
@@ -288,10 +224,10 @@ def triton_attention(
 
     ``window`` has causality folded in ((-1, 0) = causal); ``softmax_scale`` is resolved;
     ``deterministic`` is the resolved request. Offsets are trusted only as far as memory safety
-    goes: the tile plan clamps them into [0, T] on the device (attention_schedule.row_bounds).
+    goes: the tile plan clamps them into [0, T] on the device (schedule.row_bounds).
     """
     left, right = window
-    if compiling():  # traced: the registered op (attention_ops.py), which Inductor can see into
+    if compiling():  # traced: the registered op (torch_library.py), which Inductor can see into
         q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
         out, lse = triton_attention_op(
             q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right, softcap, deterministic,
@@ -304,7 +240,3 @@ def triton_attention(
             sinks,
         )  # fmt: skip
     return (out, lse) if return_lse else out
-
-
-# The registered ops need forward_launch / backward_launch above (hence the import at the end).
-from .attention_ops import triton_attention_op  # noqa: E402

@@ -35,11 +35,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_common import INTERPRET as _INTERPRET
-from ._triton_common import as_rows as _rows
-from ._triton_common import kernel_op, launcher, round_to
-from ._triton_common import rows_need_int64 as _needs_long_indexing
-from .library import compiling
+from .._triton_common import INTERPRET as _INTERPRET
+from .._triton_common import as_rows as _rows
+from .._triton_common import kernel_op, launcher, round_to
+from .._triton_common import rows_need_int64 as _needs_long_indexing
+from ..library import compiling, first_two_grads
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_HIDDEN = 65536  # one row lives in registers
@@ -53,18 +53,9 @@ _MAX_PREFETCH_BLOCK = 8192  # wider rows cannot double-buffer in registers witho
 
 @triton.jit
 def _rms_norm_fwd_kernel(
-    X,
-    W,
-    Y,
-    RSTD,
-    stride_x_row,
-    stride_y_row,
-    n_cols,
-    eps,
-    ADD_UNIT_OFFSET: tl.constexpr,
-    BLOCK: tl.constexpr,
-    LONG_INDEXING: tl.constexpr,
-):
+    X, W, Y, RSTD, stride_x_row, stride_y_row, n_cols, eps, ADD_UNIT_OFFSET: tl.constexpr,
+    BLOCK: tl.constexpr, LONG_INDEXING: tl.constexpr,
+):  # fmt: skip
     row = tl.program_id(0)
     if LONG_INDEXING:
         row = row.to(tl.int64)
@@ -85,23 +76,10 @@ def _rms_norm_fwd_kernel(
 
 @triton.jit(do_not_specialize=["n_rows", "n_programs"])
 def _rms_norm_bwd_kernel(
-    DY,
-    X,
-    W,
-    RSTD,
-    DX,
-    DW_PARTIAL,
-    stride_dy_row,
-    stride_x_row,
-    stride_dx_row,
-    n_rows,
-    n_cols,
-    n_programs,
-    ADD_UNIT_OFFSET: tl.constexpr,
-    BLOCK: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    DY, X, W, RSTD, DX, DW_PARTIAL, stride_dy_row, stride_x_row, stride_dx_row, n_rows, n_cols,
+    n_programs, ADD_UNIT_OFFSET: tl.constexpr, BLOCK: tl.constexpr, PREFETCH: tl.constexpr,
     LONG_INDEXING: tl.constexpr,
-):
+):  # fmt: skip
     pid = tl.program_id(0)
     o_col = tl.arange(0, BLOCK)  # [BLOCK]
     m_col = o_col < n_cols
@@ -209,19 +187,10 @@ def rms_norm_forward(
         long_indexing = _needs_long_indexing(n_rows, block, [x2.stride(0), n_cols])
     kernel = launcher(_rms_norm_fwd_kernel, x) if traced else _rms_norm_fwd_kernel
     kernel[(n_rows,)](
-        x2,
-        weight,
-        y2,
-        rstd,
-        x2.stride(0),
-        y2.stride(0),
-        n_cols,
-        eps,
-        ADD_UNIT_OFFSET=add_unit_offset,
-        BLOCK=block,
-        LONG_INDEXING=bool(long_indexing),
+        x2, weight, y2, rstd, x2.stride(0), y2.stride(0), n_cols, eps,
+        ADD_UNIT_OFFSET=add_unit_offset, BLOCK=block, LONG_INDEXING=bool(long_indexing),
         num_warps=num_warps,
-    )
+    )  # fmt: skip
     return y, rstd
 
 
@@ -252,24 +221,11 @@ def rms_norm_backward(
         long_indexing = _needs_long_indexing(n_rows, block, [x2.stride(0), dy2.stride(0), n_cols])
     kernel = launcher(_rms_norm_bwd_kernel, x) if traced else _rms_norm_bwd_kernel
     kernel[(n_programs,)](
-        dy2,
-        x2,
-        weight,
-        rstd,
-        dx2,
-        dw_partial,
-        dy2.stride(0),
-        x2.stride(0),
-        dx2.stride(0),
-        n_rows,
-        n_cols,
-        n_programs,
-        ADD_UNIT_OFFSET=add_unit_offset,
-        BLOCK=block,
-        PREFETCH=block <= _MAX_PREFETCH_BLOCK,
-        LONG_INDEXING=bool(long_indexing),
+        dy2, x2, weight, rstd, dx2, dw_partial, dy2.stride(0), x2.stride(0), dx2.stride(0),
+        n_rows, n_cols, n_programs, ADD_UNIT_OFFSET=add_unit_offset, BLOCK=block,
+        PREFETCH=block <= _MAX_PREFETCH_BLOCK, LONG_INDEXING=bool(long_indexing),
         num_warps=num_warps,
-    )
+    )  # fmt: skip
     return dx, dw_partial.sum(0).to(weight.dtype)
 
 
@@ -289,14 +245,8 @@ class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, weight, rstd = ctx.saved_tensors
-        if not (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]):
-            return None, None, None, None
-        dx, dw = rms_norm_backward(dy, x, weight, rstd, ctx.add_unit_offset)
-        return (
-            dx if ctx.needs_input_grad[0] else None,
-            dw if ctx.needs_input_grad[1] else None,
-            None,
-            None,
+        return first_two_grads(
+            ctx, 4, lambda: rms_norm_backward(dy, x, weight, rstd, ctx.add_unit_offset)
         )
 
 
@@ -326,14 +276,8 @@ def _rms_norm_setup_context(ctx, inputs, output) -> None:
 
 def _rms_norm_op_backward(ctx, dy, _drstd):
     x, weight, rstd = ctx.saved_tensors
-    if not (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]):
-        return None, None, None, None
-    dx, dw = _rms_norm_bwd_op(dy, x, weight, rstd, ctx.add_unit_offset)
-    return (
-        dx if ctx.needs_input_grad[0] else None,
-        dw if ctx.needs_input_grad[1] else None,
-        None,
-        None,
+    return first_two_grads(
+        ctx, 4, lambda: _rms_norm_bwd_op(dy, x, weight, rstd, ctx.add_unit_offset)
     )
 
 

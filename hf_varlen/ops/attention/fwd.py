@@ -2,7 +2,7 @@
 
 One program = one tile: ``TILE = BLOCK_M // FOLD`` consecutive query tokens of the packed stream x
 ``FOLD`` query heads that share one KV head (GQA folding: K/V are loaded once for all of them). The
-tile walks the keys [min lo, max hi] of its rows (attention_schedule.py) in steps of BLOCK_N:
+tile walks the keys [min lo, max hi] of its rows (schedule.py) in steps of BLOCK_N:
 
     s = (q . k) * scale                         (softcap: s = softcap * tanh(s / softcap))
     s = -inf where not (lo[row] <= key <= hi[row])   (block-diagonal x causal x window mask)
@@ -15,7 +15,7 @@ document (docs/attention-numerics.md): masked blocks zero non-finite V rows (p i
 document's keys, but 0 * NaN is not) and make NaN the rows that see one; a row that sees keys
 but ends with no positive weight (NaN, or only -inf scores) is NaN in o and lse. With
 ``KernelConfig.tma`` the K/V blocks come through tensor descriptors where the layout allows
-(attention_tma.py).
+(tma.py).
 
 Shapes: q (T_q, H_q, D), k/v (T_k, H_kv, D), o (T_q, H_q, D), lse (H_q, T_q) fp32,
 lo/hi (T_q,) int32, order (n_tiles + 1,) int32 (heaviest first, then one never-launched entry);
@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_tma import stream_descriptors
+from .tma import stream_descriptors
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -67,7 +67,7 @@ def _load(ptrs, row_ok, d_ok, MASK_ROWS: tl.constexpr, EVEN_D: tl.constexpr):
 @triton.jit
 def _desc_rows(desc, tok, head, ROWS: tl.constexpr, HEADS: tl.constexpr, BLOCK_D: tl.constexpr):
     """The (ROWS x HEADS, D) block of a tensor descriptor at token ``tok``, head ``head``
-    (attention_tma.py): rows token-major, heads minor, as the folded tiles order them."""
+    (tma.py): rows token-major, heads minor, as the folded tiles order them."""
     return desc.load([tok, head, 0]).reshape([ROWS * HEADS, BLOCK_D])
 
 
@@ -94,6 +94,48 @@ def _split(span_lo, span_hi, full_lo, full_hi, STEP: tl.constexpr):
     mid = span_lo + n_head * STEP
     n_mid = tl.minimum(tl.maximum(full_hi + 1 - mid, 0) // STEP, n_all - n_head)
     return n_head, n_mid, n_all
+
+
+@triton.jit
+def _query_rows(
+    work, ORDER, T_q, N_HEAD_BLOCKS, GROUP: tl.constexpr, FOLD: tl.constexpr,
+    BLOCK_M: tl.constexpr, LONG_INDEXING: tl.constexpr,
+):  # fmt: skip
+    """The BLOCK_M rows of query work item ``work`` (tile ORDER[work // N_HEAD_BLOCKS] x head block
+    work % N_HEAD_BLOCKS): FOLD query heads of one KV group per token, row r = token r // FOLD,
+    head r % FOLD. Returns (tok, head, kv_head, kv_head_tma, row_ok); tok / head / kv_head are
+    int64 with LONG_INDEXING, kv_head_tma stays int32 (descriptor coordinates are int32)."""
+    TILE: tl.constexpr = BLOCK_M // FOLD
+    tile = tl.load(ORDER + work // N_HEAD_BLOCKS)
+    head_block = work % N_HEAD_BLOCKS
+    r = tl.arange(0, BLOCK_M)
+    tok = tile * TILE + r // FOLD
+    head = head_block * FOLD + r % FOLD
+    kv_head = (head_block * FOLD) // GROUP
+    kv_head_tma = kv_head
+    row_ok = (r < TILE * FOLD) & (tok < T_q)
+    if LONG_INDEXING:
+        tok = tok.to(tl.int64)
+        head = head.to(tl.int64)
+        kv_head = kv_head.to(tl.int64)
+    return tok, head, kv_head, kv_head_tma, row_ok
+
+
+@triton.jit
+def _tile_bounds(LO, HI, rows, row_ok, STEP: tl.constexpr):
+    """What a tile's rows see: per row [lo, hi] (from the plan's LO / HI; rows past T get the
+    empty interval), the tile's span [span_lo, span_hi], and its steps of STEP split by ``_split``
+    against the interval that every real row sees (rows past T compute garbage, never stored).
+    Returns (lo, hi, span_lo, span_hi, n_head, n_mid, n_all)."""
+    EMPTY: tl.constexpr = 2147483647
+    lo = tl.load(LO + rows, mask=row_ok, other=EMPTY)
+    hi = tl.load(HI + rows, mask=row_ok, other=-1)
+    span_lo = tl.min(lo, 0)
+    span_hi = tl.max(hi, 0)
+    full_lo = tl.max(tl.where(row_ok, lo, -1), 0)
+    full_hi = tl.min(tl.where(row_ok, hi, EMPTY), 0)
+    n_head, n_mid, n_all = _split(span_lo, span_hi, full_lo, full_hi, STEP)
+    return lo, hi, span_lo, span_hi, n_head, n_mid, n_all
 
 
 @triton.jit
@@ -153,32 +195,13 @@ def _fwd_tile(
     LONG_INDEXING: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
     """One work item: tile ORDER[work // N_HEAD_BLOCKS] x head block work % N_HEAD_BLOCKS."""
-    EMPTY: tl.constexpr = 2147483647
-    TILE: tl.constexpr = BLOCK_M // FOLD
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
-    tile = tl.load(ORDER + work // N_HEAD_BLOCKS)
-    head_block = work % N_HEAD_BLOCKS
-    r = tl.arange(0, BLOCK_M)
-    tok = tile * TILE + r // FOLD
-    head = head_block * FOLD + r % FOLD
-    kv_head = (head_block * FOLD) // GROUP
-    kv_head_tma = kv_head  # descriptor coordinates are int32
-    row_ok = (r < TILE * FOLD) & (tok < T_q)
-    if LONG_INDEXING:
-        tok = tok.to(tl.int64)
-        head = head.to(tl.int64)
-        kv_head = kv_head.to(tl.int64)
+    tok, head, kv_head, kv_head_tma, row_ok = _query_rows(
+        work, ORDER, T_q, N_HEAD_BLOCKS, GROUP, FOLD, BLOCK_M, LONG_INDEXING
+    )
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-
-    lo = tl.load(LO + tok, mask=row_ok, other=EMPTY)
-    hi = tl.load(HI + tok, mask=row_ok, other=-1)
-    span_lo = tl.min(lo, 0)
-    span_hi = tl.max(hi, 0)
-    # keys every real row sees; rows past T compute garbage that is never stored
-    full_lo = tl.max(tl.where(row_ok, lo, -1), 0)
-    full_hi = tl.min(tl.where(row_ok, hi, EMPTY), 0)
-    n_head, n_mid, n_all = _split(span_lo, span_hi, full_lo, full_hi, BLOCK_N)
+    lo, hi, span_lo, span_hi, n_head, n_mid, n_all = _tile_bounds(LO, HI, tok, row_ok, BLOCK_N)
 
     q = tl.load(
         Q + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
@@ -274,7 +297,7 @@ def _attn_fwd_kernel(
 def launcher(kernel, traceable: bool):
     """``kernel`` itself, or its ``wrap_triton`` wrapper when ``traceable``. An interpreted kernel
     (TRITON_INTERPRET=1) is never wrapped: torch cannot trace it (its op is opaque, see
-    attention_ops.py)."""
+    torch_library.py)."""
     if not traceable or not isinstance(kernel, triton.runtime.jit.JITFunction):
         return kernel
     return torch.library.wrap_triton(kernel)
@@ -335,7 +358,7 @@ def attention_forward(
     ``out``: (o, lse) to write into (the rows of this launch's tiles) instead of new tensors.
     ``bound``: (n_tiles (1,) int32 on the device, programs): only the first n_tiles entries of
     ``order`` are work (the long-document launch, ``launch_grid``).
-    ``tma``: stream K/V through tensor descriptors where the layout allows (attention_tma.py)."""
+    ``tma``: stream K/V through tensor descriptors where the layout allows (tma.py)."""
     t_q, h_q, dim = q.shape
     t_k, h_kv = k.shape[0], k.shape[1]
     if out is None:

@@ -2,11 +2,11 @@
 
     torch.ops.hf_varlen.triton_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale,
         left, right, softcap, deterministic, sinks=None) -> (out (T_q, H_q, D), lse (H_q, T_q) fp32)
-        (with sinks (H_q,): out and lse include them, attention.apply_sinks)
+        (with sinks (H_q,): out and lse include them, launch.apply_sinks)
     torch.ops.hf_varlen.triton_attention_backward(do, q, k, v, out, lse, cu_seqlens_q,
         cu_seqlens_k, softmax_scale, left, right, softcap, deterministic) -> (dq, dk, dv)
 
-Semantics and argument meaning are ``attention.triton_attention``'s (validated input; ``left`` /
+Semantics and argument meaning are ``function.triton_attention``'s (validated input; ``left`` /
 ``right`` with causality folded in). q, k, v need a unit last stride (the caller ensures it).
 
 On a GPU both are ``triton_op``s whose launches go through ``wrap_triton``: Inductor traces into
@@ -17,7 +17,7 @@ registered as opaque ``custom_op``s with an explicit fake. Autograd: ``register_
 forward op, whose backward calls the backward op (``setup_context`` saves q, k, v, out, lse and
 the offsets; the plan is rebuilt from the offsets there, so no Python object crosses the graph).
 
-Eager calls do not come here (attention.triton_attention calls the autograd.Function directly):
+Eager calls do not come here (function.triton_attention calls the autograd.Function directly):
 the dispatcher round trip of a Python op costs tens of microseconds per layer, which the
 host-bound step of a small model would feel; the kernels and numbers are the same.
 """
@@ -25,10 +25,10 @@ host-bound step of a small model would feel; the kernels and numbers are the sam
 import torch
 from torch import Tensor
 
-from ._triton_common import INTERPRET
-from .attention import apply_sinks, backward_launch, forward_launch, sinks_grad
-from .attention_schedule import get_plan
-from .library import qualname
+from .._triton_common import INTERPRET
+from ..library import qualname
+from .launch import apply_sinks, backward_launch, forward_launch, sinks_grad
+from .schedule import get_plan
 
 FORWARD = qualname("triton_attention")
 BACKWARD = qualname("triton_attention_backward")
@@ -36,38 +36,20 @@ _TRACEABLE = not INTERPRET  # wrap_triton only for compiled (not interpreted) ke
 
 
 def _forward(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    cu_seqlens_q: Tensor,
-    cu_seqlens_k: Tensor,
-    softmax_scale: float,
-    left: int,
-    right: int,
-    softcap: float,
-    deterministic: bool,
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+    softmax_scale: float, left: int, right: int, softcap: float, deterministic: bool,
     sinks: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor, Tensor]:  # fmt: skip
     plan = get_plan(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], left, right)
     out, lse = forward_launch(q, k, v, plan, softmax_scale, softcap, traceable=_TRACEABLE)
     return (out, lse) if sinks is None else apply_sinks(out, lse, sinks)
 
 
 def _backward(
-    do: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    cu_seqlens_q: Tensor,
-    cu_seqlens_k: Tensor,
-    softmax_scale: float,
-    left: int,
-    right: int,
-    softcap: float,
+    do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor, softmax_scale: float, left: int, right: int, softcap: float,
     deterministic: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     plan = get_plan(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], left, right)
     return backward_launch(
         do, q, k, v, out, lse, plan, softmax_scale, softcap, deterministic, traceable=_TRACEABLE
@@ -102,7 +84,7 @@ def _autograd_backward(ctx, do, _dlse):
     q, k, v, out, lse, cu_q, cu_k, sinks = ctx.saved_tensors
     if do.stride(-1) != 1:
         do = do.contiguous()
-    # out / lse already carry the sinks: the kernels need nothing more (attention.apply_sinks)
+    # out / lse already carry the sinks: the kernels need nothing more (launch.apply_sinks)
     dq, dk, dv = backward_op(do, q, k, v, out, lse, cu_q, cu_k, *ctx.args)
     dsinks = None if sinks is None else sinks_grad(do, out, lse, sinks)
     return dq, dk, dv, None, None, None, None, None, None, None, dsinks

@@ -42,11 +42,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_common import INT32_LIMIT, kernel_op, launcher, round_to
-from ._triton_common import INTERPRET as _INTERPRET
-from ._triton_common import as_rows as _rows
-from ._triton_common import rows_need_int64 as _needs_long_indexing
-from .library import compiling
+from .._triton_common import INT32_LIMIT, kernel_op, launcher, round_to
+from .._triton_common import INTERPRET as _INTERPRET
+from .._triton_common import as_rows as _rows
+from .._triton_common import rows_need_int64 as _needs_long_indexing
+from ..library import compiling, first_two_grads
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
@@ -104,25 +104,23 @@ def _activation_and_grad(g, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
-def _glu_fwd_kernel(
-    GATE,
-    UP,
-    OUT,
-    stride_gate_row,
-    stride_up_row,
-    stride_out_row,
-    n_cols,
-    n_col_blocks,
-    ACTIVATION: tl.constexpr,
-    BLOCK: tl.constexpr,
-    LONG_INDEXING: tl.constexpr,
-):
+def _row_block(n_cols, n_col_blocks, BLOCK: tl.constexpr, LONG_INDEXING: tl.constexpr):
+    """This program's (row, o_col [BLOCK], m_col) in a grid of rows x n_col_blocks column blocks;
+    row is int64 with LONG_INDEXING."""
     pid = tl.program_id(0)
     row = pid // n_col_blocks
     if LONG_INDEXING:
         row = row.to(tl.int64)
-    o_col = (pid % n_col_blocks) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
-    m_col = o_col < n_cols
+    o_col = (pid % n_col_blocks) * BLOCK + tl.arange(0, BLOCK)
+    return row, o_col, o_col < n_cols
+
+
+@triton.jit
+def _glu_fwd_kernel(
+    GATE, UP, OUT, stride_gate_row, stride_up_row, stride_out_row, n_cols, n_col_blocks,
+    ACTIVATION: tl.constexpr, BLOCK: tl.constexpr, LONG_INDEXING: tl.constexpr,
+):  # fmt: skip
+    row, o_col, m_col = _row_block(n_cols, n_col_blocks, BLOCK, LONG_INDEXING)
     dtype = OUT.dtype.element_ty
 
     b_g = tl.load(GATE + row * stride_gate_row + o_col, mask=m_col, other=0.0).to(tl.float32)
@@ -133,26 +131,10 @@ def _glu_fwd_kernel(
 
 @triton.jit
 def _glu_bwd_kernel(
-    DOUT,
-    GATE,
-    UP,
-    DGATE,
-    DUP,
-    stride_dout_row,
-    stride_gate_row,
-    stride_up_row,
-    n_cols,
-    n_col_blocks,
-    ACTIVATION: tl.constexpr,
-    BLOCK: tl.constexpr,
-    LONG_INDEXING: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    row = pid // n_col_blocks
-    if LONG_INDEXING:
-        row = row.to(tl.int64)
-    o_col = (pid % n_col_blocks) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
-    m_col = o_col < n_cols
+    DOUT, GATE, UP, DGATE, DUP, stride_dout_row, stride_gate_row, stride_up_row, n_cols,
+    n_col_blocks, ACTIVATION: tl.constexpr, BLOCK: tl.constexpr, LONG_INDEXING: tl.constexpr,
+):  # fmt: skip
+    row, o_col, m_col = _row_block(n_cols, n_col_blocks, BLOCK, LONG_INDEXING)
     dtype = DGATE.dtype.element_ty
 
     b_do = tl.load(DOUT + row * stride_dout_row + o_col, mask=m_col, other=0.0).to(tl.float32)
@@ -178,7 +160,10 @@ def _config(n_cols: int) -> tuple[int, int]:
     return block, max(1, block // 256)
 
 
-def _launch_geometry(n_rows: int, n_cols: int, block: int | None, num_warps: int | None):
+def _launch(kernel, rows, n_strided, activation, long_indexing, block, num_warps, traced):
+    """Launch a GLU kernel over the (R, C) row views ``rows`` (its pointer arguments): the first
+    ``n_strided`` are passed with their row strides, the others are fresh contiguous buffers."""
+    n_rows, n_cols = rows[0].shape
     default_block, default_warps = _config(n_cols)
     block, num_warps = block or default_block, num_warps or default_warps
     n_col_blocks = triton.cdiv(n_cols, block)
@@ -186,7 +171,14 @@ def _launch_geometry(n_rows: int, n_cols: int, block: int | None, num_warps: int
         raise ValueError(
             f"glu: {n_rows} rows x {n_col_blocks} column blocks exceed the launch grid limit 2^31-1"
         )
-    return block, num_warps, n_col_blocks
+    if long_indexing is None:
+        strides = [t.stride(0) for t in rows]
+        long_indexing = _needs_long_indexing(n_rows, n_col_blocks * block, strides)
+    kernel = launcher(kernel, rows[0]) if traced else kernel
+    kernel[(n_rows * n_col_blocks,)](
+        *rows, *(t.stride(0) for t in rows[:n_strided]), n_cols, n_col_blocks,
+        ACTIVATION=activation, BLOCK=block, LONG_INDEXING=bool(long_indexing), num_warps=num_warps,
+    )  # fmt: skip
 
 
 def glu_forward(
@@ -207,27 +199,8 @@ def glu_forward(
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     if out.numel() == 0:
         return out
-    g2, u2, o2 = _rows(gate), _rows(up), out.view(-1, gate.shape[-1])
-    n_rows, n_cols = g2.shape
-    block, num_warps, n_col_blocks = _launch_geometry(n_rows, n_cols, block, num_warps)
-    if long_indexing is None:
-        strides = [g2.stride(0), u2.stride(0), o2.stride(0)]
-        long_indexing = _needs_long_indexing(n_rows, n_col_blocks * block, strides)
-    kernel = launcher(_glu_fwd_kernel, gate) if traced else _glu_fwd_kernel
-    kernel[(n_rows * n_col_blocks,)](
-        g2,
-        u2,
-        o2,
-        g2.stride(0),
-        u2.stride(0),
-        o2.stride(0),
-        n_cols,
-        n_col_blocks,
-        ACTIVATION=activation,
-        BLOCK=block,
-        LONG_INDEXING=bool(long_indexing),
-        num_warps=num_warps,
-    )
+    rows = (_rows(gate), _rows(up), out.view(-1, gate.shape[-1]))
+    _launch(_glu_fwd_kernel, rows, 3, activation, long_indexing, block, num_warps, traced)
     return out
 
 
@@ -247,29 +220,9 @@ def glu_backward(
     dup = torch.empty_like(dgate)
     if dgate.numel() == 0:
         return dgate, dup
-    do2, g2, u2 = _rows(dout), _rows(gate), _rows(up)
-    n_rows, n_cols = g2.shape
-    block, num_warps, n_col_blocks = _launch_geometry(n_rows, n_cols, block, num_warps)
-    if long_indexing is None:
-        strides = [do2.stride(0), g2.stride(0), u2.stride(0), n_cols]
-        long_indexing = _needs_long_indexing(n_rows, n_col_blocks * block, strides)
-    kernel = launcher(_glu_bwd_kernel, gate) if traced else _glu_bwd_kernel
-    kernel[(n_rows * n_col_blocks,)](
-        do2,
-        g2,
-        u2,
-        dgate,
-        dup,
-        do2.stride(0),
-        g2.stride(0),
-        u2.stride(0),
-        n_cols,
-        n_col_blocks,
-        ACTIVATION=activation,
-        BLOCK=block,
-        LONG_INDEXING=bool(long_indexing),
-        num_warps=num_warps,
-    )
+    n_cols = gate.shape[-1]
+    rows = (_rows(dout), _rows(gate), _rows(up), dgate.view(-1, n_cols), dup.view(-1, n_cols))
+    _launch(_glu_bwd_kernel, rows, 3, activation, long_indexing, block, num_warps, traced)
     return dgate, dup
 
 
@@ -288,14 +241,7 @@ class _GLUFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         gate, up = ctx.saved_tensors
-        if not (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]):
-            return None, None, None
-        dgate, dup = glu_backward(dout, gate, up, ctx.activation)
-        return (
-            dgate if ctx.needs_input_grad[0] else None,
-            dup if ctx.needs_input_grad[1] else None,
-            None,
-        )
+        return first_two_grads(ctx, 3, lambda: glu_backward(dout, gate, up, ctx.activation))
 
 
 # The registered ops (what torch.compile sees). Same kernels, same autograd contract.
@@ -318,14 +264,7 @@ def _glu_setup_context(ctx, inputs, output) -> None:
 
 def _glu_op_backward(ctx, dout):
     gate, up = ctx.saved_tensors
-    if not (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]):
-        return None, None, None
-    dgate, dup = _glu_bwd_op(dout, gate, up, ctx.activation)
-    return (
-        dgate if ctx.needs_input_grad[0] else None,
-        dup if ctx.needs_input_grad[1] else None,
-        None,
-    )
+    return first_two_grads(ctx, 3, lambda: _glu_bwd_op(dout, gate, up, ctx.activation))
 
 
 _glu_fwd_op.register_autograd(_glu_op_backward, setup_context=_glu_setup_context)

@@ -1,8 +1,8 @@
-"""The Triton row kernel of the fused linear cross-entropy (``cross_entropy.py`` imports this module
+"""The Triton row kernel of the fused linear cross-entropy (``function.py`` imports this module
 only where triton is installed; the pure-torch row step there needs no triton).
 
 ``ce_rows_triton(logits, labels, loss, cfg, ...)``: on a (C, V) logits chunk, the per-row loss into
-``loss`` and dloss/dlogits written over the logits (math in ``cross_entropy.py``'s docstring).
+``loss`` and dloss/dlogits written over the logits (math in ``function.py``'s docstring).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_common import INT32_LIMIT, round_to
+from .._triton_common import INT32_LIMIT, round_to
 
 # ----------------------------------------------------------------------------------------------
 # Row kernel

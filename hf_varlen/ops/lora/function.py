@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from .library import compiling, qualname
+from ..library import compiling, qualname
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -100,13 +100,9 @@ class _LoRALinearFunction(torch.autograd.Function):
 
 @torch.library.custom_op(qualname("lora_linear"), mutates_args=())
 def _lora_linear_op(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    lora_a: torch.Tensor,
-    lora_b: torch.Tensor,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor,
+    lora_b: torch.Tensor, scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     return _forward(x, weight, bias, lora_a, lora_b, scale)
 
 

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .common import TensorCache, clamp_offsets
+from ..common import TensorCache, clamp_offsets
 
 EMPTY_LO = 2**31 - 1  # lower bound of a row that sees nothing (hi = -1)
 
@@ -73,18 +73,18 @@ class KernelConfig:
     kv_stages: int
     kv_min_tokens: int
     # The fused (FA2-style, atomic dQ) backward instead of the split dQ + dK/dV kernels, where the
-    # caller did not ask for a deterministic backward (attention_bwd.attention_backward). Off by
+    # caller did not ask for a deterministic backward (bwd.attention_backward). Off by
     # default until the H200 shows where it wins; a tuning override may set it (16th entry).
     bwd_fused: bool = False
     # Pipeline stages of the dK/dV kernel where no query heads fold into its steps (fold 1: MHA,
     # or a GQA group with no divisor that keeps kv_min_tokens, e.g. 40/8 heads); 0 = kv_stages.
-    # At head dim 128 the best depth depends on the fold (docs/BENCHMARKS.md run N: 3 stages took
+    # At head dim 128 the best depth depends on the fold (H200, scripts/bench_attention.py: 3 stages took
     # 32/8/128's fold-4 dK/dV 12-19% faster, 40/8/128's fold-1 one 9-22% slower f+b).
     kv_stages_unfolded: int = 0
     # Stream the inner loops' blocks (K/V of the forward and dQ steps, Q/dO of the dK/dV steps)
-    # through Hopper tensor descriptors (TMA) where the layout allows (attention_tma.py): the copy
+    # through Hopper tensor descriptors (TMA) where the layout allows (tma.py): the copy
     # engine computes the addresses, so the registers they took are free for the accumulators.
-    # Off in the shipped configs: slower or even on the H200 (docs/BENCHMARKS.md run Q); a
+    # Off in the shipped configs: slower or even on the H200 (tma.py says why); a
     # tuning override may set it (18th entry).
     tma: bool = False
 
@@ -103,10 +103,10 @@ class KernelConfig:
 # Tuned on the H200 (scripts/bench_attention.py --tune) over packs of real alpaca and lima lengths
 # and 1 x 32K + 32K alpaca; tiles of long documents take the long path below where there is one.
 # Head dim 128's dK/dV runs 3 pipeline stages where query heads fold into its steps and 2 where
-# none do (run N: the short-tile sweep at 32/8/128, fold 4, dK/dV alone alpaca64k 1.028 -> 0.878
+# none do (the short-tile sweep at 32/8/128, fold 4, dK/dV alone alpaca64k 1.028 -> 0.878
 # ms, lima64k 2.274 -> 1.996, alpaca16k 0.320 -> 0.260 against 2 stages; f+b alpaca64k 3.309 ->
 # 3.143, lima64k 5.903 -> 5.540; at 40/8/128, fold 1, 3 stages made f+b alpaca64k 4.893 -> 5.957).
-# Head dim 64 keeps 2 (run N: 3 stages within -4% / +3% f+b at 32/8/64 and 16/16/64).
+# Head dim 64 keeps 2 (3 stages were within -4% / +3% f+b at 32/8/64 and 16/16/64).
 _CUDA_CONFIGS = {
     64: KernelConfig(128, 32, 4, 3, 16, 64, 64, 4, 2, 32, 64, 32, 4, 2, 8),
     128: KernelConfig(128, 32, 4, 3, 16, 64, 64, 4, 2, 32, 64, 32, 4, 3, 8, kv_stages_unfolded=2),
@@ -129,7 +129,7 @@ class LongPath:
       after a whole loop of a resident one.
     - 0: one program per tile of the long tiling; the programs past the long tiles exit at once.
       Where the hardware scheduler keeps more programs per SM busy than a persistent grid does
-      (head dim 64's kernels, docs/BENCHMARKS.md run M), this is the faster one."""
+      (head dim 64's kernels on the H200), this is the faster one."""
 
     cfg: KernelConfig
     min_span: int
@@ -150,13 +150,13 @@ class LongPath:
 
 
 # Tuned on the H200 (scripts/bench_attention.py --tune --tune-set long) over 1 x 32K + 32K alpaca
-# and 8 x 8K (docs/BENCHMARKS.md): head_dim 128 with 32/8 heads (run G: bigger steps, 8 warps),
-# head_dim 64 with 16/16 heads (run H) and 32/8 heads (run L: folding 2 / 2 / 4 heads of a KV
+# and 8 x 8K (docs/BENCHMARKS.md): head_dim 128 with 32/8 heads (bigger steps, 8 warps),
+# head_dim 64 with 16/16 heads and 32/8 heads (folding 2 / 2 / 4 heads of a KV
 # group into the forward / dQ / dK-dV tiles took 8 x 8K from 45.1 to 39.8 ms f+b and 32K + 32K
 # from 82.7 to 74.4 ms against fold 1; 16/16 heads have no group to fold). Head dim 64 launches
-# one program per long tile (run M: its 4-warp kernels at one persistent program per SM took
+# one program per long tile (its 4-warp kernels at one persistent program per SM took
 # 1.4-1.9x that time; f+b 1.5x faster on 8 x 8K, 32K + 32K and 128K); head dim 128 stays
-# persistent (run M: one program per tile was 2-5% faster on long documents, 1-3% slower on
+# persistent (one program per tile was 2-5% faster on long documents, 1-3% slower on
 # short packs). head_dim 256: not measured, no long path.
 _CUDA_LONG: dict[int, LongPath] = {
     64: LongPath(
@@ -295,7 +295,7 @@ def launch_passes(plan, kernel: str, cfg: KernelConfig, long: LongPath | None, g
     """The launches of one kernel over a plan: [(order, config, fold, bound)], the short config's
     over every tile (bound None), or, with a long path, the short config's over the short tiles
     and the long config's over the long ones (``split_orders``), bound = (n_long, persistent
-    programs or 0: attention_fwd.launch_grid)."""
+    programs or 0: fwd.launch_grid)."""
     fold, tile = kernel_tiling(cfg, kernel, group)
     side = "k" if kernel == "kv" else "q"
     if long is None:

@@ -2,21 +2,22 @@
 sees): an opaque ``custom_op`` with a fake implementation and autograd through
 ``register_autograd``. ``cross_entropy.fused_linear_cross_entropy`` calls it only while
 torch.compile traces (``fused_linear_ce_traced``); eager calls keep the autograd.Function, which
-runs the same chunk loop (``cross_entropy_chunks.py``).
+runs the same chunk loop (``chunks.py``).
 """
 
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
-from .cross_entropy_chunks import (
+from ..library import qualname
+from .chunks import (
     LossConfig,
     at_least_one,
     kept_rows,
     linear_ce_chunks,
     scatter_rows,
 )
-from .library import qualname
 
 # ----------------------------------------------------------------------------------------------
 # Registered op (what torch.compile sees): opaque custom_op, gradients as outputs
@@ -55,25 +56,24 @@ def cfg_of(
     )
 
 
+def _grad_outputs(hidden, weight, idx, dh, dw, db) -> tuple[Tensor, Tensor, Tensor]:
+    """(dh, dw, db) as op outputs: dh over every row of ``hidden`` (zeros on dropped rows),
+    a gradient that was not computed as an empty (0,) tensor."""
+    empty = hidden.new_empty
+    return (
+        empty(0) if dh is None else scatter_rows(dh, idx, hidden.shape[0]),
+        empty(0, dtype=weight.dtype) if dw is None else dw,
+        empty(0, dtype=weight.dtype) if db is None else db,
+    )
+
+
 @torch.library.custom_op(qualname("fused_linear_ce"), mutates_args=())
 def _fused_linear_ce_op(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    labels: torch.Tensor,
-    ignore_index: int,
-    reduction: str,
-    softcap: float | None,
-    logit_scale: float,
-    label_smoothing: float,
-    z_loss: float,
-    chunk_size: int | None,
-    backend: str,
-    drop_ignored: bool,
-    need_dh: bool,
-    need_dw: bool,
-    need_db: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, ignore_index: int,
+    reduction: str, softcap: float | None, logit_scale: float, label_smoothing: float,
+    z_loss: float, chunk_size: int | None, backend: str, drop_ignored: bool, need_dh: bool,
+    need_dw: bool, need_db: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     cfg = cfg_of(
         ignore_index, reduction, softcap, logit_scale, label_smoothing, z_loss, chunk_size,
         backend, drop_ignored,
@@ -82,28 +82,16 @@ def _fused_linear_ce_op(
     n_valid, idx, h, y = kept_rows(hidden, labels, ignore_index, drop_ignored)
     defer = reduction == "none"
     loss, dh, dw, db = linear_ce_chunks(
-        h,
-        weight,
-        bias,
-        y,
-        cfg,
-        need_dh=need_dh and not defer,
-        need_dw=need_dw and not defer,
+        h, weight, bias, y, cfg, need_dh=need_dh and not defer, need_dw=need_dw and not defer,
         need_db=need_db and not defer,
-    )
+    )  # fmt: skip
     if reduction == "none":
         loss = scatter_rows(loss, idx, n_rows)
     else:
         loss = loss.sum()
         loss = loss if reduction == "sum" else loss / at_least_one(n_valid)
-    empty = hidden.new_empty
-    return (
-        loss,
-        empty(0) if dh is None else scatter_rows(dh, idx, n_rows),
-        empty(0, dtype=weight.dtype) if dw is None else dw,
-        empty(0, dtype=weight.dtype) if db is None else db,
-        torch.as_tensor(n_valid, dtype=torch.int64, device=hidden.device),
-    )
+    n_valid = torch.as_tensor(n_valid, dtype=torch.int64, device=hidden.device)
+    return loss, *_grad_outputs(hidden, weight, idx, dh, dw, db), n_valid
 
 
 @_fused_linear_ce_op.register_fake
@@ -122,23 +110,11 @@ def _fused_linear_ce_fake(
 
 @torch.library.custom_op(qualname("fused_linear_ce_rows_bwd"), mutates_args=())
 def _fused_linear_ce_rows_bwd_op(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    labels: torch.Tensor,
-    grad_rows: torch.Tensor,
-    ignore_index: int,
-    softcap: float | None,
-    logit_scale: float,
-    label_smoothing: float,
-    z_loss: float,
-    chunk_size: int | None,
-    backend: str,
-    drop_ignored: bool,
-    need_dh: bool,
-    need_dw: bool,
-    need_db: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, grad_rows: Tensor,
+    ignore_index: int, softcap: float | None, logit_scale: float, label_smoothing: float,
+    z_loss: float, chunk_size: int | None, backend: str, drop_ignored: bool, need_dh: bool,
+    need_dw: bool, need_db: bool,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """Gradients of sum(loss_t * grad_rows_t) (reduction "none"); unneeded ones are (0,)."""
     cfg = cfg_of(
         ignore_index, "none", softcap, logit_scale, label_smoothing, z_loss, chunk_size, backend,
@@ -150,12 +126,7 @@ def _fused_linear_ce_rows_bwd_op(
         h, weight, bias, y, cfg, need_dh=need_dh, need_dw=need_dw, need_db=need_db,
         row_scale=scale.contiguous(),
     )  # fmt: skip
-    empty = hidden.new_empty
-    return (
-        empty(0) if dh is None else scatter_rows(dh, idx, hidden.shape[0]),
-        empty(0, dtype=weight.dtype) if dw is None else dw,
-        empty(0, dtype=weight.dtype) if db is None else db,
-    )
+    return _grad_outputs(hidden, weight, idx, dh, dw, db)
 
 
 @_fused_linear_ce_rows_bwd_op.register_fake

@@ -1,0 +1,5 @@
+"""Deprecated path of ``hf_varlen.ops.cross_entropy.chunks``; removed in the next release."""
+
+from ._lazy import moved_module
+
+__getattr__ = moved_module(__name__, f"{__package__}.cross_entropy.chunks")
