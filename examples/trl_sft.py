@@ -21,7 +21,7 @@ Modes (``--mode``):
 Mixed precision is TRL's default (``bf16=True``: bf16 autocast over fp32 weights, on CPU too;
 ``--no-bf16`` for fp32). Hub models are loaded in fp32, as TRL users load them.
 
-``--fused-loss`` trains with ``hf_varlen.integrations.trl.VarlenSFTTrainer``: the same SFTTrainer,
+``--fused-loss`` trains with ``hf_varlen.integrations.trainers.VarlenSFTTrainer``: the same SFTTrainer,
 but the loss is hf_varlen's fused linear cross-entropy instead of TRL's fused LM head (no
 ``entropy`` / ``mean_token_accuracy`` in the logs; see that module).
 
@@ -57,7 +57,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import hf_varlen
-from hf_varlen.integrations.trl import VarlenSFTTrainer
+from hf_varlen.integrations.trainers import VarlenSFTTrainer
 from hf_varlen.training.builtin import builtin_records, byte_tokenizer
 
 MODES = ("padding_free", "bfd", "position_ids", "padded")

@@ -130,7 +130,7 @@ def _sync(device):
 
 
 def run_text_task(args, task: str, mode: str, pairs, device, dtype) -> list[dict]:
-    from hf_varlen.integrations.trl_preference import PackedLogProbs
+    from hf_varlen.integrations.trainers.preference import PackedLogProbs
 
     attn = "sdpa" if mode == "padded_sdpa" else "varlen_packed"
     model = _model(args, attn, dtype, device)

@@ -147,7 +147,7 @@ MODES: dict[str, dict] = {
         "cuda_graphs": "on",
         "compile": True,
     },
-    # No speed flags: `hf-varlen train`'s own auto rule picks the step (training/auto_mode.py).
+    # No speed flags: `hf-varlen train`'s own auto rule picks the step (captured_step/auto_mode.py).
     "hf_varlen-auto": {**FULL, "cuda_graphs": "auto", "static_shapes": None},
     # The other mechanism: Inductor's cudagraph trees (forward + backward; the update eager).
     "hf_varlen-reduce-overhead": {

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_common import run_header, time_ms  # noqa: E402
 
-from hf_varlen.integrations.peft_lora import fused_lora_forward  # noqa: E402
+from hf_varlen.integrations.kernelize.peft_lora import fused_lora_forward  # noqa: E402
 from hf_varlen.reference.lora import lora_linear_reference  # noqa: E402
 from hf_varlen.testing import numerics_error  # noqa: E402
 

@@ -6,7 +6,7 @@ TRL's defaults for mixed precision (``bf16=True``: bf16 autocast over fp32 weigh
 used to crash ``varlen_packed``), on the same alpaca examples in the same order:
 
     varlen_kernelize   attn "varlen_packed" (auto backend) + hf_varlen.kernelize layer kernels
-    varlen_fusedce     varlen_kernelize, trained by hf_varlen.integrations.trl.VarlenSFTTrainer:
+    varlen_fusedce     varlen_kernelize, trained by hf_varlen.integrations.trainers.VarlenSFTTrainer:
                        the loss is hf_varlen's fused linear cross-entropy, not TRL's head
                        (its eager step: cuda_graphs="off")
     varlen_captured    varlen_fusedce with the captured step (cuda_graphs="on": forward +
@@ -82,7 +82,7 @@ def _runs_trl_head(model) -> bool:
 def _lm_head(trainer, model) -> str:
     """Which head computed the training loss."""
     from hf_varlen import is_fused_cross_entropy_installed
-    from hf_varlen.integrations.trl import VarlenSFTTrainer
+    from hf_varlen.integrations.trainers import VarlenSFTTrainer
 
     if isinstance(trainer, VarlenSFTTrainer):
         assert is_fused_cross_entropy_installed(model)

@@ -15,8 +15,8 @@ logging), each validated by itself and read by the module that owns it. Data: ``
 format), ``examples`` (tokenized, masked examples), ``batching`` (micro-batches). Model: ``model``
 (tokenizer/model construction and checks), ``compiling`` (``--compile``). The run: ``builders``
 (the pieces ``PackedTrainer`` is built from), ``loop`` (the trainer and its step), ``step`` (the
-loss of one micro-batch, the step's counts), ``graphs`` / ``capture_checks`` / ``auto_mode`` (the
-CUDA-graph-captured step, ``GraphedStep``, also for your own loop, and when it runs),
+loss of one micro-batch, the step's counts), ``graphs`` (whether this run's step is captured:
+the CUDA-graph step itself and its ``auto`` rule are ``hf_varlen.captured_step``),
 ``launch`` (processes). Output: ``checkpoint`` (save / validate / export), ``fingerprint`` (what
 a resume must share), ``output_dir`` (the run folder, ``--resume``), ``metrics`` / ``run_summary``
 / ``profiling`` (progress, JSONL, summary, MFU, plots, ``--profile-step``).

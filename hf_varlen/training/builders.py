@@ -16,10 +16,9 @@ from typing import Any
 import torch
 from safetensors import SafetensorError
 
+from ..captured_step import capture_bytes, model_blockers
 from ..packing import ExampleCountBatchSampler, TokenBudgetBatchSampler
 from . import checkpoint as ckpt
-from .auto_mode import capture_bytes
-from .capture_checks import model_blockers
 from .config import TrainConfig
 from .data import detect_format, load_records
 from .examples import Examples, split_eval, tokenize

@@ -180,7 +180,7 @@ class PackedTrainer:
             cfg, self.tokenizer, self.precision, self.device, graphs_on, model_hook
         )
         # The fused CE skips the logits in training; eval asks for it with the wrapped forward's
-        # public per-call keyword (hf_varlen.integrations.loss).
+        # public per-call keyword (hf_varlen.integrations.fused_loss).
         self.eval_kwargs = {"fused_loss": True} if fused_ce else {}
         tokens = real_tokens_per_micro_batch(cfg, self.train_ex)
         self.graphs_on, self.graphs_note = graphs_for_model(

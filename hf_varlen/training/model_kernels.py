@@ -97,7 +97,7 @@ def apply_kernels(model, cfg: ModelOptions, device: torch.device) -> tuple[str, 
 
 def _check_fused_lora(report) -> None:
     """--fused-lora is explicit: every LoRA layer runs the op, or the run stops with the reason."""
-    from hf_varlen.integrations.peft_lora import LEFT_ALONE_PREFIX
+    from hf_varlen.integrations.kernelize.peft_lora import LEFT_ALONE_PREFIX
 
     left = {n: why for n, why in report.left_alone.items() if why.startswith(LEFT_ALONE_PREFIX)}
     if left or not report.installed("lora"):

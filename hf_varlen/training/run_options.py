@@ -109,7 +109,7 @@ class CompileOptions:
         "CUDA, static shapes, one process, adamw, no dropout under --gradient-checkpointing); "
         "auto (default: captured on CUDA below ~10K real tokens per micro-batch, where the "
         "eager step waits on the host, with enough free memory; else eager, the reason in the "
-        "summary: hf_varlen/training/auto_mode.py); off",
+        "summary: hf_varlen/captured_step/auto_mode.py); off",
         choices=TOGGLES,
     )
 

@@ -228,7 +228,7 @@ def _hf_trainer(tmp_path, collator, callbacks, steps=3, backend="sdpa"):
 
 def test_offsets_check_callback_runs_before_every_optimizer_step(tmp_path, monkeypatch):
     import hf_varlen
-    from hf_varlen.integrations import trainer_callbacks
+    from hf_varlen.integrations.trainers import callbacks as trainer_callbacks
 
     calls = []
     monkeypatch.setattr(trainer_callbacks, "check_pending_offsets", lambda: calls.append(1))

@@ -30,14 +30,14 @@ from transformers import (  # noqa: E402
 )
 
 import hf_varlen  # noqa: E402
-from hf_varlen.integrations import captured_trainer as ct  # noqa: E402
-from hf_varlen.integrations.captured_trainer import (  # noqa: E402
+from hf_varlen.captured_step import graphs as step_graphs  # noqa: E402
+from hf_varlen.integrations.trainers import captured as ct  # noqa: E402
+from hf_varlen.integrations.trainers.captured import (  # noqa: E402
     CaptureError,
     VarlenTrainer,
     pad_to_bucket,
 )
 from hf_varlen.testing import assert_numerics  # noqa: E402
-from hf_varlen.training import graphs as graphs_mod  # noqa: E402
 
 VOCAB = 96
 
@@ -48,7 +48,7 @@ def _eager_capture(fn, pool):
 
 @pytest.fixture
 def simulated(monkeypatch):
-    monkeypatch.setattr(graphs_mod, "_capture_cuda", _eager_capture)
+    monkeypatch.setattr(step_graphs, "_capture_cuda", _eager_capture)
     monkeypatch.setattr(ct, "_device_type", lambda t: "cuda")
 
 
@@ -199,7 +199,7 @@ def test_forward_that_syncs_with_the_host(tmp_path, monkeypatch, caplog):
     def failing_capture(fn, pool):
         raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
 
-    monkeypatch.setattr(graphs_mod, "_capture_cuda", failing_capture)
+    monkeypatch.setattr(step_graphs, "_capture_cuda", failing_capture)
     monkeypatch.setattr(ct, "_device_type", lambda t: "cuda")
     with pytest.raises(CaptureError, match="synchronises with the host"):
         _train(tmp_path, "on", "on")
@@ -242,7 +242,7 @@ def _trl(trl_setup, tmp_path, name, cuda_graphs, mode="padding_free", **cfg):
     from accelerate.state import AcceleratorState
     from trl import SFTConfig
 
-    from hf_varlen.integrations.trl import VarlenSFTTrainer
+    from hf_varlen.integrations.trainers import VarlenSFTTrainer
 
     AcceleratorState._reset_state(reset_partial_state=True)  # runs of other precisions
     tokenizer, data = trl_setup
@@ -281,7 +281,7 @@ def test_trl_defaults_captured_equals_eager(trl_setup, tmp_path, simulated, mode
     info = trainer.captured_step_summary()
     assert info["mode"].startswith("captured") and info["graphs"] >= 1, info
     assert trainer._graphed.autocast_dtype == torch.bfloat16
-    assert trainer.args.gradient_checkpointing and graphs_mod.model_blockers(trainer.model) == []
+    assert trainer.args.gradient_checkpointing and step_graphs.model_blockers(trainer.model) == []
     for step, (h, lo_, x_) in enumerate(zip(hi, lo, x, strict=True)):
         assert x_["num_tokens"] == lo_["num_tokens"] == h["num_tokens"]
         for key in ("loss", "grad_norm"):
@@ -334,7 +334,7 @@ def test_checkpointing_kwargs_read_under_either_name():
     RNG options there must reach the captured step's checks, not be ignored."""
     from types import SimpleNamespace
 
-    from hf_varlen.integrations.captured_trainer import checkpointing_kwargs
+    from hf_varlen.integrations.trainers.captured import checkpointing_kwargs
 
     old = SimpleNamespace(gradient_checkpointing_kwargs={"offload": True})
     assert checkpointing_kwargs(old) == {"offload": True}

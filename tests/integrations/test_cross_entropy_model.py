@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from hf_varlen.integrations.loss import (
+from hf_varlen.integrations.fused_loss import (
     install_fused_cross_entropy,
     is_fused_cross_entropy_installed,
     uninstall_fused_cross_entropy,
@@ -341,7 +341,7 @@ def worker(rank, port, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     from torch.distributed.fsdp import fully_shard
-    from hf_varlen.integrations.loss import install_fused_cross_entropy
+    from hf_varlen.integrations.fused_loss import install_fused_cross_entropy
 
     model = tiny()
     for layer in model.model.layers:

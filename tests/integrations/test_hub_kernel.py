@@ -16,8 +16,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.utils import import_utils
 
 import hf_varlen
-from hf_varlen.integrations import hub_attention
-from hf_varlen.integrations.hub_package import (
+from hf_varlen.integrations.hub import attention as hub_attention
+from hf_varlen.integrations.hub.package import (
     _check_imports,
     enable_local_hub_kernel,
     hub_kernel_path,
@@ -51,9 +51,9 @@ def test_package_is_generated_from_the_sources(tmp_path):
     for src in ops:
         rel = src.relative_to(root / "ops")
         assert (variant / "ops" / rel).read_bytes() == src.read_bytes(), str(rel)
-    for name in ("hub_layers.py", "hub_attention.py"):
-        assert (variant / "integrations" / name).read_bytes() == (
-            root / "integrations" / name
+    for name in ("layers.py", "attention.py"):
+        assert (variant / "integrations" / "hub" / name).read_bytes() == (
+            root / "integrations" / "hub" / name
         ).read_bytes()
     assert hub_kernel_path(tmp_path) == repo  # content-addressed: same sources, same package
     assert list(tmp_path.iterdir()) == [repo]  # no temporary directory left behind
@@ -61,8 +61,8 @@ def test_package_is_generated_from_the_sources(tmp_path):
 
 def test_copied_modules_must_import_relatively():
     _check_imports("ops/rope.py", b"import torch\nfrom .glu import swiglu\n")
-    _check_imports("integrations/hub_layers.py", b"from ..ops.glu import swiglu\n")
-    _check_imports("integrations/hub_attention.py", b"def f():\n    from hf_varlen import x\n")
+    _check_imports("integrations/hub/layers.py", b"from ...ops.glu import swiglu\n")
+    _check_imports("integrations/hub/attention.py", b"def f():\n    from hf_varlen import x\n")
     with pytest.raises(ValueError, match="absolute hf_varlen import"):
         _check_imports("ops/rope.py", b"from hf_varlen.reference import rope\n")
     with pytest.raises(ValueError, match="climbs out of hf_varlen/ops"):
@@ -71,7 +71,7 @@ def test_copied_modules_must_import_relatively():
     with pytest.raises(ValueError, match="climbs out of hf_varlen/ops"):
         _check_imports("ops/rope/function.py", b"from ...reference import rope\n")
     with pytest.raises(ValueError, match="climbs out of the hub package"):
-        _check_imports("integrations/hub_layers.py", b"from ...x import y\n")
+        _check_imports("integrations/hub/layers.py", b"from ....x import y\n")
 
 
 def test_package_loads_through_kernels(tmp_path):

@@ -371,7 +371,7 @@ def test_cross_entropy_installed_and_reported(monkeypatch):
     assert is_fused_cross_entropy_installed(model)
     uninstall_fused_cross_entropy(model)
 
-    monkeypatch.setitem(__import__("sys").modules, "hf_varlen.integrations.loss", None)
+    monkeypatch.setitem(__import__("sys").modules, "hf_varlen.integrations.fused_loss", None)
     report = kernelize(model, rope=False, glu=False, rmsnorm=False)
     assert "not available" in report.left_alone["cross_entropy"]
     assert not is_fused_cross_entropy_installed(model)

@@ -24,7 +24,7 @@ import torch
 from test_lora import LENGTHS, packed_batch, tiny_llama, with_lora
 
 from hf_varlen import kernelize
-from hf_varlen.integrations.peft_lora import is_ours
+from hf_varlen.integrations.kernelize.peft_lora import is_ours
 from hf_varlen.ops.lora import lora_linear
 from hf_varlen.ops.lora.function import _lora_linear_op
 from hf_varlen.reference.lora import lora_linear_reference

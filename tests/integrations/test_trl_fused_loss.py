@@ -1,4 +1,4 @@
-"""hf_varlen.integrations.trl.VarlenSFTTrainer: TRL's SFTTrainer with hf_varlen's fused linear
+"""hf_varlen.integrations.trainers.VarlenSFTTrainer: TRL's SFTTrainer with hf_varlen's fused linear
 cross-entropy as the loss, against plain SFTTrainer (TRL's own fused LM head).
 
 The same alpaca prompt-completion examples (completion_only_loss: prompt labels -100), a tiny

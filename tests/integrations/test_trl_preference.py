@@ -1,4 +1,4 @@
-"""TRL's DPO and GRPO trainers with packed log-prob passes (hf_varlen.integrations.trl_preference).
+"""TRL's DPO and GRPO trainers with packed log-prob passes (hf_varlen.integrations.trainers.preference).
 
 The packed pass must be the padded one: per-token log-probs, entropies and their gradients of
 right-padded (DPO's layout) and left+right-padded (GRPO's prompt + completion layout) rows, packed
@@ -25,7 +25,7 @@ from trl import DPOConfig, DPOTrainer, GRPOConfig  # noqa: E402
 from trl.trainer.utils import add_fused_lm_head  # noqa: E402
 
 import hf_varlen  # noqa: E402, F401  (registers varlen_packed)
-from hf_varlen.integrations.trl_preference import (  # noqa: E402
+from hf_varlen.integrations.trainers.preference import (  # noqa: E402
     PackedLogProbs,
     VarlenDPOTrainer,
     VarlenGRPOTrainer,

@@ -56,7 +56,8 @@ def test_every_export_resolves():
 
 
 def test_top_level_loss_and_kernelize_names():
-    from hf_varlen.integrations import kernelize, loss
+    from hf_varlen.integrations import fused_loss as loss
+    from hf_varlen.integrations import kernelize
 
     assert hf_varlen.kernelize is kernelize.kernelize
     assert hf_varlen.KernelizeReport is kernelize.KernelizeReport

@@ -1,11 +1,11 @@
-"""The ``auto`` rule (``hf_varlen.training.auto_mode``): its choices and messages for given
+"""The ``auto`` rule (``hf_varlen.captured_step.auto_mode``): its choices and messages for given
 inputs, explicit choices honoured or refused with the reason, never replaced."""
 
 from __future__ import annotations
 
 import pytest
 
-from hf_varlen.training.auto_mode import (
+from hf_varlen.captured_step.auto_mode import (
     CROSSOVER_REAL_TOKENS,
     MEMORY_MARGIN,
     capture_bytes,

@@ -1,4 +1,4 @@
-"""The captured step (``training/graphs.py``) under bf16-mixed, gradient checkpointing and LoRA
+"""The captured step (``captured_step/graphs.py``) under bf16-mixed, gradient checkpointing and LoRA
 (issue 46 item 1, issue 47 item 1's capture): simulated capture on the CPU, as in
 tests/training/test_train_cuda_graphs.py (a "replay" runs the captured function again on the same
 static buffers), against the eager trainer step by step: per-step loss and gradient norm, final
@@ -19,6 +19,7 @@ import pytest
 import torch
 from tiny_runs import tiny_train_config
 
+from hf_varlen.captured_step import graphs as step_graphs
 from hf_varlen.testing import assert_numerics
 from hf_varlen.training import PackedTrainer
 from hf_varlen.training import graphs as graphs_mod
@@ -52,7 +53,7 @@ def _strict_capture(fn, pool):
 
 @pytest.fixture
 def capture_on_cpu(monkeypatch):
-    monkeypatch.setattr(graphs_mod, "_capture_cuda", _strict_capture)
+    monkeypatch.setattr(step_graphs, "_capture_cuda", _strict_capture)
     monkeypatch.setattr(graphs_mod, "graph_blockers", lambda *a: [])
 
 
@@ -181,7 +182,7 @@ def test_train_auto_picks_by_the_rule(tmp_path, monkeypatch):
     assert "eager (auto: CUDA graphs need a CUDA device" in text and not summary["static_shapes"]
     blockers, cuda = graphs_mod.graph_blockers, torch.device("cuda")
     monkeypatch.setattr(graphs_mod, "graph_blockers", lambda c, d, *a: blockers(c, cuda, *a))
-    monkeypatch.setattr(graphs_mod, "_capture_cuda", _strict_capture)
+    monkeypatch.setattr(step_graphs, "_capture_cuda", _strict_capture)
     _, _, summary, _, _ = _run(tiny_train_config(tmp_path, "small", **cpu))
     info = summary["cuda_graphs"]
     assert info["on"] and "384 real tokens per micro-batch, below the 10,000" in info["text"]

@@ -270,7 +270,7 @@ def _trl_losses(tmp_path, dtype, compile_, steps=4, fused=False):
         **_compile_args(compile_),
     )
     if fused:
-        from hf_varlen.integrations.trl import VarlenSFTTrainer as SFTTrainer
+        from hf_varlen.integrations.trainers import VarlenSFTTrainer as SFTTrainer
     cls = _Recorder.wrap(SFTTrainer)
     trainer = cls(
         model=_llama(dtype),

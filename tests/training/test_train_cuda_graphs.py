@@ -20,6 +20,7 @@ import pytest
 import torch
 from tiny_runs import tiny_train_config
 
+from hf_varlen.captured_step import graphs as step_graphs
 from hf_varlen.training import PackedTrainer, TrainConfig
 from hf_varlen.training import graphs as graphs_mod
 from hf_varlen.training.graphs import GraphedStep, graph_blockers
@@ -43,7 +44,7 @@ def _eager_capture(fn, pool):
 
 @pytest.fixture
 def capture_on_cpu(monkeypatch):
-    monkeypatch.setattr(graphs_mod, "_capture_cuda", _eager_capture)
+    monkeypatch.setattr(step_graphs, "_capture_cuda", _eager_capture)
     monkeypatch.setattr(graphs_mod, "graph_blockers", lambda *a: [])
 
 

@@ -62,7 +62,7 @@ Modules: this one (validation, the eager autograd.Function, the public function)
 
 Shapes: hidden (..., H) (e.g. (B, T, H) or packed (T, H)), labels (...) aligned with hidden: the
 label of row t is the target for row t. The op does NOT shift; HF's causal shift belongs to the
-caller (``hf_varlen.integrations.loss`` does it). weight (V, H), bias (V,). Output: fp32 scalar for
+caller (``hf_varlen.integrations.fused_loss`` does it). weight (V, H), bias (V,). Output: fp32 scalar for
 "sum"/"mean", fp32 (...) for "none".
 """
 

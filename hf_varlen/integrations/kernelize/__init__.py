@@ -2,10 +2,10 @@
 (and the fused loss) into an already-built Hugging Face model. Its report says what changed and
 undoes it.
 
-Module map: this file (the entry point, what users call); ``kernelize_probes.py`` (which modules
-qualify, decided by running them); ``hub_layers.py`` (the layer forwards, shipped in the kernel-hub
-package); ``hub_package.py`` (builds that package locally from ``hf_varlen/ops`` + ``hub_layers``
-+ ``hub_attention``).
+Module map: this file (the entry point, what users call); ``probes.py`` (which modules
+qualify, decided by running them); ``peft_lora.py`` (peft's LoRA layers on the one-op projection);
+``..hub/layers.py`` (the layer forwards, shipped in the kernel-hub package); ``..hub/package.py``
+(builds that package locally from ``hf_varlen/ops`` + ``hub/layers.py`` + ``hub/attention.py``).
 
 One set of layers, two wirings:
 
@@ -52,12 +52,12 @@ from types import MethodType
 import torch
 from torch import nn
 
-from ..ops.common import env_flag
-from .kernelize_probes import ROPE_ENTRY, Target, plan, rope_funcs
+from ...ops.common import env_flag
+from .probes import ROPE_ENTRY, Target, plan, rope_funcs
 
 logger = logging.getLogger("hf_varlen")
 
-# kernel-hub layer key -> layer class in hub_layers, and the report kind of each
+# kernel-hub layer key -> layer class in hub/layers.py, and the report kind of each
 _LAYER = {
     "RMSNorm": "RMSNorm",
     "GemmaRMSNorm": "GemmaRMSNorm",
@@ -121,7 +121,7 @@ class KernelizeReport:
             return
         _undo(model)
         if self.installed("cross_entropy"):
-            from .loss import uninstall_fused_cross_entropy
+            from ..fused_loss import uninstall_fused_cross_entropy
 
             uninstall_fused_cross_entropy(model)
         self.replaced.clear()
@@ -204,7 +204,7 @@ def _is_ours(forward) -> bool:
     return (
         func is not None
         and func.__qualname__ in _OUR_FORWARDS
-        and func.__module__.endswith("hub_layers")
+        and func.__module__.endswith(".hub.layers")
     )
 
 
@@ -263,7 +263,7 @@ def _apply_kernels(targets: list[Target], device_type: str, report: KernelizeRep
     import kernels
     from kernels import LocalLayerRepository, Mode, use_kernel_mapping
 
-    from .hub_package import hub_kernel_path
+    from ..hub.package import hub_kernel_path
 
     repo_path = hub_kernel_path()
     layers = kernels.get_local_kernel(repo_path).layers
@@ -287,7 +287,7 @@ def _apply_kernels(targets: list[Target], device_type: str, report: KernelizeRep
 
 
 def _apply_fallback(targets: list[Target], report: KernelizeReport) -> object:
-    from . import hub_layers as layers
+    from ..hub import layers
 
     for t in targets:
         t.module.forward = MethodType(getattr(layers, _LAYER[t.entry]).forward, t.module)
@@ -300,11 +300,11 @@ def _apply_fallback(targets: list[Target], report: KernelizeReport) -> object:
 
 def _install_loss(model: nn.Module, report: KernelizeReport) -> None:
     try:
-        from .loss import install_fused_cross_entropy
+        from ..fused_loss import install_fused_cross_entropy
     except ModuleNotFoundError as exc:
-        if exc.name != f"{__package__}.loss":
+        if exc.name != f"{__package__.rpartition('.')[0]}.fused_loss":  # not a deeper failure
             raise
-        report.left_alone["cross_entropy"] = "hf_varlen.integrations.loss is not available"
+        report.left_alone["cross_entropy"] = "hf_varlen.integrations.fused_loss is not available"
         return
     try:
         install_fused_cross_entropy(model)  # idempotent
@@ -378,10 +378,10 @@ def kernelize(
     kinds = [kind for kind, on in (("rmsnorm", rmsnorm), ("rope", rope), ("glu", glu)) if on]
     if not kinds:  # only the loss asked for: nothing to plan, and no Triton import
         targets, report.left_alone = [], {}
-    elif why := _triton_problem():  # hub_layers imports the Triton ops: do not plan
+    elif why := _triton_problem():  # hub/layers.py imports the Triton ops: do not plan
         targets, report.left_alone = [], dict.fromkeys(kinds, why)
     else:
-        from . import hub_layers as helpers
+        from ..hub import layers as helpers
 
         targets, report.left_alone = plan(model, helpers, rope=rope, glu=glu, rmsnorm=rmsnorm)
     if targets and (why := _device_problem(device_type)):
