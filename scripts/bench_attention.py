@@ -6,7 +6,7 @@ For flex the document BlockMask build is timed separately (the attention timings
 all layers of one forward do). Useful FLOPs (FlashAttention's count): sum over documents of 4 * L^2 * D * H_q / 2
 for the causal forward; backward = 2.5x, forward+backward = 3.5x. "floor" is the HBM-traffic bound
 (read q, k, v, write o; backward reads q, k, v, o, dO, writes dq, dk, dv) at 4.3 TB/s.
-"match" applies the numerics rule of TESTING.md (hf_varlen.testing) to the output and, for packs
+"match" applies the numerics rule (hf_varlen.testing) (hf_varlen.testing) to the output and, for packs
 whose documents are all <= 4096 tokens, to dq/dk/dv; longer documents are checked on their last
 512 query rows (forward only).
 

@@ -37,7 +37,7 @@ def _family(mode: str) -> str:
 def check_losses(results: list[dict], rtol: float | None = None) -> list[dict]:
     """Whether every mode's per-step losses agree with the reference mode's on the same examples
     (same model, data, length, batch size; full fine-tuning, LoRA and QLoRA apart), in the spirit
-    of the numerics rule (docs TESTING.md): the tolerance is 2 x the spread among our own modes
+    of the numerics rule (hf_varlen.testing): the tolerance is 2 x the spread among our own modes
     (the reference against each other of ours: eager, compiled, captured, the minimal
     integration: the same math in other kernels) + 2 x the unit roundoff of the loss in the
     run's precision + 2 x the fp32 reduction floor over the step's tokens; ``rtol`` replaces it. Each finished cell gets ``loss_check`` = {reference,

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The GPU evidence the issues ask for, in stages that each fit one 10-minute call on the H200
-# machine (../shared/docs/GPU.md). Run from the repository root with `.gpu-wheels/base` carried
-# (`bash ../shared/tools/gpu_wheels.sh` makes it); results and logs go to OUT_DIR:
+# The project's GPU evidence, in stages that each fit one 10-minute call on a GPU machine without
+# network access (the wheels travel with the tree). Run from the repository root with
+# `.gpu-wheels/base` carried (`bash ../shared/tools/gpu_wheels.sh` makes it); results and logs go to OUT_DIR:
 #
 #   bash scripts/gpu_evidence/gpu_evidence.sh STAGE OUT_DIR [ARGS...]
 #
@@ -81,7 +81,7 @@
 # step timeout is HF_VARLEN_STEP_TIMEOUT (default 300).
 #
 # `train` and `e2e` read the shared data from runs/shared (carry it): alpaca_5000.json, lima.json
-# and the qwen2 tokenizer folder. FA4 joins `attention` when it is importable (GPU.md's two calls).
+# and the qwen2 tokenizer folder. FA4 joins `attention` when it is importable (its wheels are installed in two calls).
 # Every step has its own timeout, so a slow one never hides the others' results.
 # With `.gpu-wheels/latest` carried too (scripts/gpu_evidence/gpu_wheels_latest.sh), every stage
 # runs on the transformers / kernels / huggingface_hub a fresh install resolves instead of base's

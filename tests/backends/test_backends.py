@@ -1,4 +1,4 @@
-"""Attention backends on CPU (reference, sdpa, flex): the cases of TESTING.md that apply here."""
+"""Attention backends on CPU (reference, sdpa, flex): the backend cases that apply here."""
 
 from __future__ import annotations
 

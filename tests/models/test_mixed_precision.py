@@ -7,7 +7,7 @@ transformers' FlashAttention path decides it (autocast dtype, else the layer's w
 the common dtype); the functional API keeps refusing mixed dtypes.
 
 Numerics: packed varlen_packed under autocast (x) against each document run alone through eager
-under the same autocast (ref_lo) and through eager in fp64 (ref_hi), by the rule of TESTING.md.
+under the same autocast (ref_lo) and through eager in fp64 (ref_hi), by the numerics rule (hf_varlen.testing).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ for CUDA (head dims 64 / 128 / 256, and the long-document path of 64 and 128) ar
 run on a GPU. Here each shipped config is pinned (``pick_config`` / ``pick_long_path`` as the
 launcher looks them up, answered with what they return for a CUDA device) and small fp16 packs run
 forward and backward under TRITON_INTERPRET=1 against the fp64 oracle, by the numerics rule of
-TESTING.md (hi: the reference in fp64, lo: the reference in fp16; gradients 3x). Warps and
+hf_varlen.testing (hi: the reference in fp64, lo: the reference in fp16; gradients 3x). Warps and
 pipeline stages mean nothing to the interpreter; block sizes, folds, tile orders, the short /
 long split and the persistent loop do.
 

@@ -90,7 +90,7 @@ def test_bf16_mixed_with_checkpointing_captured_equals_eager(tmp_path, capture_o
     for key in ("loss", "grad_norm"):  # step by step
         for step in range(len(hi[key])):
             # after the first update a step's values carry the gradients' error: factor 3, as
-            # for gradients (TESTING.md)
+            # for gradients (hf_varlen.testing)
             factor = 2 if step == 0 and key == "loss" else 3
             assert_numerics(
                 f"step {step + 1} {key}", x[key][step], hi[key][step], lo[key][step], factor=factor
