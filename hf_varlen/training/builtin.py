@@ -27,20 +27,24 @@ CHAT_TEMPLATE = (
 )
 
 
-def _decoder(hidden, mlp, layers, heads, kv_heads, positions, eps, tied, **extra) -> dict[str, Any]:
-    """A preset's transformers config keys, the shape of a Llama-family decoder (``extra``:
-    rope_theta, head_dim, ...)."""
-    return dict(
-        hidden_size=hidden,
-        intermediate_size=mlp,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=positions,
-        rms_norm_eps=eps,
-        tie_word_embeddings=tied,
-        **extra,
-    )
+# A preset's transformers config keys, the shape of a Llama-family decoder, in ``_decoder``'s
+# argument order.
+_DECODER_KEYS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "max_position_embeddings",
+    "rms_norm_eps",
+    "tie_word_embeddings",
+)
+
+
+def _decoder(*values: Any, **extra: Any) -> dict[str, Any]:
+    """The config of one preset: ``values`` for ``_DECODER_KEYS``, then ``extra`` (rope_theta,
+    head_dim, sliding_window, ...)."""
+    return {**dict(zip(_DECODER_KEYS, values, strict=True)), **extra}
 
 
 # Shapes shared by all tiny presets: 4 layers, hidden 128, GQA 4/2 heads (head dim 32).
