@@ -12,7 +12,8 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
-from typing import Any
+
+from ._lazy import lazy_getattr as _lazy_getattr
 
 __version__ = "0.1.0"
 
@@ -48,14 +49,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-        globals()[name] = value
-        return value
-    if importlib.util.find_spec(f"{__name__}.{name}") is not None:  # a submodule: hf_varlen.ops
-        return importlib.import_module(f".{name}", __name__)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = _lazy_getattr(__name__, _LAZY, globals(), submodules=True)
 
 
 def __dir__() -> list[str]:

@@ -102,40 +102,41 @@ def _check_keywords(head_dim: int, softmax_scale, window_size, softcap, dropout_
     return softmax_scale, softcap
 
 
-def validate_inputs(
-    q,
-    k,
-    v,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_q,
-    max_seqlen_k,
-    softmax_scale,
-    window_size,
-    softcap,
-    dropout_p,
-    full: bool,
-):
-    """Host-side checks; raises TypeError/ValueError naming the argument. Returns the normalised
+def validate_inputs(q, k, v, cu_q, cu_k, max_q, max_k, keywords: tuple, full: bool):
+    """Host-side checks; raises TypeError/ValueError naming the argument. ``keywords``: the call's
+    (softmax_scale, window_size, softcap, dropout_p). Returns the normalised
     (max_seqlen_q, max_seqlen_k, softmax_scale, softcap) (ops/common.py: attention_scale and
     attention_softcap, the one policy of every backend)."""
     _check_qkv(q, k, v)
-    _check_cu("cu_seqlens_q", cu_seqlens_q, q.device)
-    _check_cu("cu_seqlens_k", cu_seqlens_k, q.device)
-    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+    _check_cu("cu_seqlens_q", cu_q, q.device)
+    _check_cu("cu_seqlens_k", cu_k, q.device)
+    if cu_q.numel() != cu_k.numel():
         raise ValueError(
             f"cu_seqlens_q and cu_seqlens_k must describe the same number of documents, got "
-            f"{cu_seqlens_q.numel() - 1} and {cu_seqlens_k.numel() - 1}"
+            f"{cu_q.numel() - 1} and {cu_k.numel() - 1}"
         )
-    max_q = max_length_int("max_seqlen_q", max_seqlen_q)
-    max_k = max_length_int("max_seqlen_k", max_seqlen_k)
-    softmax_scale, softcap = _check_keywords(
-        q.shape[2], softmax_scale, window_size, softcap, dropout_p
-    )
+    max_q = max_length_int("max_seqlen_q", max_q)
+    max_k = max_length_int("max_seqlen_k", max_k)
+    softmax_scale, softcap = _check_keywords(q.shape[2], *keywords)
     if full:
-        check_offsets("cu_seqlens_q", cu_seqlens_q.tolist(), q.shape[0], max_q)
-        check_offsets("cu_seqlens_k", cu_seqlens_k.tolist(), k.shape[0], max_k)
+        check_offsets("cu_seqlens_q", cu_q.tolist(), q.shape[0], max_q)
+        check_offsets("cu_seqlens_k", cu_k.tolist(), k.shape[0], max_k)
     return max_q, max_k, softmax_scale, softcap
+
+
+def _params(q, causal, window_size, scale, cap, dropout_p, deterministic, sinks) -> AttentionParams:
+    """The ``AttentionParams`` of checked keywords (``scale``/``cap`` normalised, ``sinks``
+    checked, ``deterministic`` resolved): one constructor call for both public routes."""
+    return AttentionParams.create(
+        head_dim=q.shape[-1],
+        causal=bool(causal),
+        window_size=window_size,
+        softmax_scale=scale,
+        softcap=cap,
+        dropout_p=float(dropout_p),
+        deterministic=bool(deterministic),
+        sinks=sinks,
+    )
 
 
 def varlen_attention(
@@ -197,31 +198,15 @@ def varlen_attention(
         full = False
     else:
         full = env_flag("HF_VARLEN_VALIDATE") if validate is None else bool(validate)
+    keywords = (softmax_scale, window_size, softcap, dropout_p)
     max_q, max_k, softmax_scale, softcap = validate_inputs(
-        q,
-        k,
-        v,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
-        softmax_scale,
-        window_size,
-        softcap,
-        dropout_p,
-        full,
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, keywords, full
     )
     sinks = check_sinks(sinks, q)
     metadata = VarlenMetadata(cu_seqlens_q, cu_seqlens_k, max_q, max_k)
-    params = AttentionParams.create(
-        head_dim=q.shape[-1],
-        causal=bool(causal),
-        window_size=window_size,
-        softmax_scale=softmax_scale,
-        softcap=softcap,
-        dropout_p=dropout_p,
-        deterministic=deterministic_requested(deterministic),
-        sinks=sinks,
+    deterministic = deterministic_requested(deterministic)
+    params = _params(
+        q, causal, window_size, softmax_scale, softcap, dropout_p, deterministic, sinks
     )
     return dispatch(q, k, v, metadata, params, backend)
 
@@ -287,15 +272,9 @@ def batch_call(
     def build() -> tuple[AttentionParams, Request]:
         _check_qkv(q, k, v)
         scale, cap = _check_keywords(q.shape[2], softmax_scale, window_size, softcap, dropout_p)
-        params = AttentionParams.create(
-            head_dim=q.shape[-1],
-            causal=bool(causal),
-            window_size=window_size,
-            softmax_scale=scale,
-            softcap=cap,
-            dropout_p=dropout_p,
-            deterministic=deterministic,
-            sinks=check_sinks(sinks, q),
+        sinks_checked = check_sinks(sinks, q)
+        params = _params(
+            q, causal, window_size, scale, cap, dropout_p, deterministic, sinks_checked
         )
         return params, Request.for_call(q, k, v, metadata, params)
 

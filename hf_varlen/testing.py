@@ -32,6 +32,7 @@ nothing about how a different summation order of the same terms rounds.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -101,14 +102,12 @@ def assert_numerics(
     x: torch.Tensor,
     ref_hi: torch.Tensor,
     ref_lo: torch.Tensor,
-    *,
-    factor: float = 2.0,
-    terms: int = 1,
-    dtype: torch.dtype | None = None,
+    **rule: Any,
 ) -> None:
-    """Raise AssertionError naming ``name`` when the rule fails (outputs: factor 2, grads: 3;
-    ``terms``: the values a reduction such as a loss sums; ``dtype``: the precision it was computed
-    in, default ``x.dtype``; see the module doc)."""
-    ok, msg = numerics_error(x, ref_hi, ref_lo, factor=factor, terms=terms, dtype=dtype)
+    """Raise AssertionError naming ``name`` when the rule fails. ``rule``: ``numerics_error``'s
+    keywords, ``factor`` (outputs: 2, the default; grads: 3), ``terms`` (the values a reduction
+    such as a loss sums) and ``dtype`` (the precision it was computed in, default ``x.dtype``);
+    an unknown keyword raises TypeError. See the module doc."""
+    ok, msg = numerics_error(x, ref_hi, ref_lo, **rule)
     if not ok:
         raise AssertionError(f"{name}: {msg}")

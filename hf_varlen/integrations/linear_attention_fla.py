@@ -119,6 +119,11 @@ def varlen_causal_conv1d(x, weight, bias, activation, pos_in_doc) -> torch.Tenso
     return out.to(x.dtype)
 
 
+# Every document starts from a zero state and no final state is kept (training, no cache); q and
+# k are L2-normalised in the kernel, as the layers' own forward asks of FLA.
+_FROM_ZERO_STATE = dict(initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=True)
+
+
 def fla_packed_forward(layer: nn.Module, hidden, cu, bounds, chunk_rule: Callable):
     """The layer on a packed row (1, T, hidden): FLA's varlen delta rule over all documents at once
     (``chunk_rule``: FLA's ``chunk_gated_delta_rule``), each starting from a zero state."""
@@ -138,15 +143,5 @@ def fla_packed_forward(layer: nn.Module, hidden, cu, bounds, chunk_rule: Callabl
     v = v.reshape(b_size, t, -1, layer.head_v_dim)
     # fp32 decay, as the layers compute it (A might be -inf in half precision)
     g = -layer.A_log.float().exp() * F.softplus(a.float() + layer.dt_bias)
-    core, _ = chunk_rule(
-        q,
-        k,
-        v,
-        g=g,
-        beta=beta,
-        initial_state=None,
-        output_final_state=False,
-        use_qk_l2norm_in_kernel=True,
-        cu_seqlens=cu_long,
-    )
+    core, _ = chunk_rule(q, k, v, g=g, beta=beta, cu_seqlens=cu_long, **_FROM_ZERO_STATE)
     return _output(layer, core, gate)

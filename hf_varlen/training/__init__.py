@@ -24,9 +24,7 @@ a resume must share), ``output_dir`` (the run folder, ``--resume``), ``metrics``
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
+from .._lazy import lazy_getattr
 from .config import TrainConfig, parse_args
 
 __all__ = ["GraphedStep", "PackedTrainer", "TrainConfig", "parse_args", "plot_runs", "run"]
@@ -41,7 +39,4 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY)

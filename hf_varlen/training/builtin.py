@@ -26,17 +26,29 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
-# Shapes shared by all tiny presets: 4 layers, hidden 128, GQA 4/2 heads (head dim 32).
-_TINY = dict(
-    hidden_size=128,
-    intermediate_size=352,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=2048,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=True,
+
+# A preset's transformers config keys, the shape of a Llama-family decoder, in ``_decoder``'s
+# argument order.
+_DECODER_KEYS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "max_position_embeddings",
+    "rms_norm_eps",
+    "tie_word_embeddings",
 )
+
+
+def _decoder(*values: Any, **extra: Any) -> dict[str, Any]:
+    """The config of one preset: ``values`` for ``_DECODER_KEYS``, then ``extra`` (rope_theta,
+    head_dim, sliding_window, ...)."""
+    return {**dict(zip(_DECODER_KEYS, values, strict=True)), **extra}
+
+
+# Shapes shared by all tiny presets: 4 layers, hidden 128, GQA 4/2 heads (head dim 32).
+_TINY = _decoder(128, 352, 4, 4, 2, 2048, 1e-6, True)
 # A large vocabulary would make the tied embedding most of a "tiny" model (151,680 x 128 = 19.4M
 # parameters, and 96% of its FLOPs in the LM head): tiny presets halve the hidden size (128 -> 64 ->
 # 32) until vocabulary x hidden fits this many parameters; heads stay 4/2 x 32 (head_dim set).
@@ -66,36 +78,12 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "tiny-qwen3": ("qwen3", dict(_TINY, head_dim=32)),
     "tiny-mistral": ("mistral", dict(_TINY, sliding_window=256)),
     # Llama-3.2-1B: hidden 2048, 16 layers, 32/8 heads, MLP 8192, tied embeddings, rope theta 5e5.
-    "llama-1b": (
-        "llama",
-        dict(
-            hidden_size=2048,
-            intermediate_size=8192,
-            num_hidden_layers=16,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            max_position_embeddings=131072,
-            rms_norm_eps=1e-5,
-            rope_theta=500000.0,
-            tie_word_embeddings=True,
-        ),
-    ),
+    "llama-1b": ("llama", _decoder(2048, 8192, 16, 32, 8, 131072, 1e-5, True, rope_theta=500000.0)),
     # Qwen3-8B: hidden 4096, 36 layers, 32/8 heads x 128 (q/k RMSNorm), MLP 12288, untied head.
     # Benchmarks usually cut the layers (--config-overrides num_hidden_layers=N) to fit their time.
     "qwen3-8b": (
         "qwen3",
-        dict(
-            hidden_size=4096,
-            intermediate_size=12288,
-            num_hidden_layers=36,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            head_dim=128,
-            max_position_embeddings=40960,
-            rms_norm_eps=1e-6,
-            rope_theta=1000000.0,
-            tie_word_embeddings=False,
-        ),
+        _decoder(4096, 12288, 36, 32, 8, 40960, 1e-6, False, head_dim=128, rope_theta=1000000.0),
     ),
 }
 

@@ -48,6 +48,7 @@ import dataclasses
 import functools
 import inspect
 import types
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -60,17 +61,8 @@ _STATE_ATTR = "_hf_varlen_fused_ce"
 
 
 @dataclasses.dataclass
-class _Options:
-    chunk_size: int | None = None
-    z_loss: float = 0.0
-    label_smoothing: float = 0.0
-    backend: str = "auto"
-    drop_ignored_tokens: bool = False
-
-
-@dataclasses.dataclass
 class _State:
-    options: _Options
+    options: dict[str, Any]  # the install's keywords of fused_linear_cross_entropy, by name
     spec: HeadSpec
     previous_forward: object  # the instance forward we wrapped, or None (the class forward)
     forward: object  # our bound wrapper, to check that uninstall removes what we installed
@@ -155,7 +147,6 @@ def _fused_head_forward(
     if not torch.is_autocast_enabled(hidden.device.type) and hidden2.dtype != weight.dtype:
         hidden2 = hidden2.to(weight.dtype)
     logit_scale, softcap = logit_transform(model, state.spec)
-    opts = state.options
     call.loss_sum = fused_linear_cross_entropy(
         hidden2,
         weight,
@@ -164,12 +155,8 @@ def _fused_head_forward(
         ignore_index=IGNORE_INDEX,
         reduction="sum",
         softcap=softcap,
-        label_smoothing=opts.label_smoothing,
-        z_loss=opts.z_loss,
-        chunk_size=opts.chunk_size,
         logit_scale=logit_scale,
-        backend=opts.backend,
-        drop_ignored_tokens=opts.drop_ignored_tokens,
+        **state.options,  # chunk_size, z_loss, label_smoothing, backend, drop_ignored_tokens
     )
     call.n_tokens = (labels != IGNORE_INDEX).sum()
     return hidden.new_empty((*hidden.shape[:-1], 0))
@@ -321,7 +308,7 @@ def install_fused_cross_entropy(
         )
     if not isinstance(drop_ignored_tokens, bool):
         raise TypeError(f"drop_ignored_tokens: expected True or False, got {drop_ignored_tokens!r}")
-    options = _Options(
+    options = dict(
         drop_ignored_tokens=drop_ignored_tokens,
         chunk_size=chunk_size,
         z_loss=float(z_loss),

@@ -94,6 +94,9 @@ def flash_attn_func(
     s_aux=None,
 ):
     """Dense batched attention with FA2's ``flash_attn_func`` signature: one document per row."""
+    # The FA2 keywords, passed on by name to the varlen entry point (whose signature they share).
+    keywords = dict(locals())
+    del keywords["q"], keywords["k"], keywords["v"]
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(
             f"flash_attn_func expects q, k, v of shape (B, T, H, D); got {tuple(q.shape)}, "
@@ -109,14 +112,6 @@ def flash_attn_func(
         arange * t_k,
         t_q,
         t_k,
-        dropout_p=dropout_p,
-        softmax_scale=softmax_scale,
-        causal=causal,
-        window_size=window_size,
-        softcap=softcap,
-        alibi_slopes=alibi_slopes,
-        deterministic=deterministic,
-        return_attn_probs=return_attn_probs,
-        s_aux=s_aux,
+        **keywords,
     )
     return out.view(batch, t_q, *out.shape[1:])

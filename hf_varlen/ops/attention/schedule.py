@@ -353,7 +353,16 @@ def row_bounds(
     # Memory safety for any offsets: every bound below lies in [0, T - 1] or is the empty interval.
     cq, ck = clamp_offsets(cu_q, t_q), clamp_offsets(cu_k, t_k)
 
-    def finish(lo, hi, inside):
+    def spans(own, other, n_rows, before, after):
+        # The rows of one side (queries: own=cq) see, on the other side, the interval around their
+        # bottom-right aligned diagonal: ``before`` rows back, ``after`` rows on (-1: unbounded).
+        # The keys' query interval is the same rule with the window mirrored (right, left).
+        doc, inside = _doc_of(own, n_rows)
+        rows = torch.arange(n_rows, device=own.device, dtype=torch.int64)
+        start, end, own_end = other[doc], other[doc + 1], own[doc + 1]
+        diag = rows - own_end + end
+        lo = start if before < 0 else torch.maximum(start, diag - before)
+        hi = end - 1 if after < 0 else torch.minimum(end - 1, diag + after)
         empty = (lo > hi) | ~inside
         lo = torch.where(empty, EMPTY_LO, lo)
         hi = torch.where(empty, -1, hi)
@@ -366,21 +375,8 @@ def row_bounds(
         ]
         return e[0], e[1], e[2], e[3]
 
-    doc, inside = _doc_of(cq, t_q)
-    t = torch.arange(t_q, device=cu_q.device, dtype=torch.int64)
-    k_start, k_end, q_end = ck[doc], ck[doc + 1], cq[doc + 1]
-    diag = t - q_end + k_end
-    lo = k_start if left < 0 else torch.maximum(k_start, diag - left)
-    hi = k_end - 1 if right < 0 else torch.minimum(k_end - 1, diag + right)
-    lo_q, hi_q = finish(lo, hi, inside)
-
-    doc, inside = _doc_of(ck, t_k)
-    s = torch.arange(t_k, device=cu_k.device, dtype=torch.int64)
-    q_start, q_end, k_end = cq[doc], cq[doc + 1], ck[doc + 1]
-    base = s - k_end + q_end
-    qlo = q_start if right < 0 else torch.maximum(q_start, base - right)
-    qhi = q_end - 1 if left < 0 else torch.minimum(q_end - 1, base + left)
-    qlo_k, qhi_k = finish(qlo, qhi, inside)
+    lo_q, hi_q = spans(cq, ck, t_q, left, right)
+    qlo_k, qhi_k = spans(ck, cq, t_k, right, left)
     return lo_q, hi_q, qlo_k, qhi_k
 
 

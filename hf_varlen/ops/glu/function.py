@@ -38,6 +38,8 @@ the eager step is host-bound at the batch sizes users run. Both paths launch the
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -160,9 +162,20 @@ def _config(n_cols: int) -> tuple[int, int]:
     return block, max(1, block // 256)
 
 
-def _launch(kernel, rows, n_strided, activation, long_indexing, block, num_warps, traced):
+def _launch(
+    kernel,
+    rows,
+    n_strided,
+    activation,
+    long_indexing=None,
+    block=None,
+    num_warps=None,
+    traced=False,
+):
     """Launch a GLU kernel over the (R, C) row views ``rows`` (its pointer arguments): the first
-    ``n_strided`` are passed with their row strides, the others are fresh contiguous buffers."""
+    ``n_strided`` are passed with their row strides, the others are fresh contiguous buffers.
+    ``long_indexing``/``block``/``num_warps``: private overrides for tests and benchmarks (None =
+    chosen from the shapes); ``traced``: launch through ``launcher`` (inside the op)."""
     n_rows, n_cols = rows[0].shape
     default_block, default_warps = _config(n_cols)
     block, num_warps = block or default_block, num_warps or default_warps
@@ -185,22 +198,15 @@ def glu_forward(
     gate: torch.Tensor,
     up: torch.Tensor,
     activation: str,
-    *,
-    long_indexing: bool | None = None,
-    block: int | None = None,
-    num_warps: int | None = None,
-    traced: bool = False,
+    **launch: Any,
 ) -> torch.Tensor:
-    """out = round(act(gate)) * up as a fresh contiguous tensor of gate's shape.
-
-    ``long_indexing``/``block``/``num_warps`` are private overrides for tests and benchmarks
-    (None = chosen from the shapes); ``traced``: launch through ``launcher`` (inside the op).
-    """
+    """out = round(act(gate)) * up as a fresh contiguous tensor of gate's shape. ``launch``:
+    ``_launch``'s keywords (``long_indexing``, ``block``, ``num_warps``, ``traced``)."""
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     if out.numel() == 0:
         return out
     rows = (_rows(gate), _rows(up), out.view(-1, gate.shape[-1]))
-    _launch(_glu_fwd_kernel, rows, 3, activation, long_indexing, block, num_warps, traced)
+    _launch(_glu_fwd_kernel, rows, 3, activation, **launch)
     return out
 
 
@@ -209,20 +215,17 @@ def glu_backward(
     gate: torch.Tensor,
     up: torch.Tensor,
     activation: str,
-    *,
-    long_indexing: bool | None = None,
-    block: int | None = None,
-    num_warps: int | None = None,
-    traced: bool = False,
+    **launch: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d_gate, d_up) as fresh contiguous tensors; the inputs are only read."""
+    """(d_gate, d_up) as fresh contiguous tensors; the inputs are only read (``launch``: as in
+    ``glu_forward``)."""
     dgate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     dup = torch.empty_like(dgate)
     if dgate.numel() == 0:
         return dgate, dup
     n_cols = gate.shape[-1]
     rows = (_rows(dout), _rows(gate), _rows(up), dgate.view(-1, n_cols), dup.view(-1, n_cols))
-    _launch(_glu_bwd_kernel, rows, 3, activation, long_indexing, block, num_warps, traced)
+    _launch(_glu_bwd_kernel, rows, 3, activation, **launch)
     return dgate, dup
 
 

@@ -391,10 +391,7 @@ class _RotateQInplace(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k_alias, cos, sin, pos, cu, st):
         _launch(q, k_alias, q, k_alias, cos, sin, pos, cu, st, conjugate=False)
-        ctx.mark_dirty(q)
-        ctx.save_for_backward(cos, sin, pos, cu)
-        ctx.st = st
-        return q
+        return _rotated_in_place(ctx, q, cos, sin, pos, cu, st)
 
     @staticmethod
     def backward(ctx, dq_out):
@@ -404,14 +401,20 @@ class _RotateQInplace(torch.autograd.Function):
 class _RotatedKInplace(torch.autograd.Function):
     @staticmethod
     def forward(ctx, k, cos, sin, pos, cu, st):
-        ctx.mark_dirty(k)
-        ctx.save_for_backward(cos, sin, pos, cu)
-        ctx.st = st
-        return k
+        return _rotated_in_place(ctx, k, cos, sin, pos, cu, st)
 
     @staticmethod
     def backward(ctx, dk_out):
         return _conjugate_one(ctx, dk_out), None, None, None, None, None
+
+
+def _rotated_in_place(ctx, x: torch.Tensor, cos, sin, pos, cu, st) -> torch.Tensor:
+    """The node of one tensor rotated in place: ``x`` marked dirty, what ``_conjugate_one``
+    needs saved; returns ``x`` (the Function's one output)."""
+    ctx.mark_dirty(x)
+    ctx.save_for_backward(cos, sin, pos, cu)
+    ctx.st = st
+    return x
 
 
 def _conjugate_one(ctx, dx_out: torch.Tensor) -> torch.Tensor:
