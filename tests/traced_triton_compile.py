@@ -75,7 +75,7 @@ def main(kind: str, style: str, steps: int, variant: str = "split") -> dict:
         dtypes=frozenset({torch.float32}),
     )  # fmt: skip
 
-    sys.path.insert(0, os.path.dirname(__file__))
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "backends"))
     import test_compile_attention as t
     from torch._dynamo.utils import clear_compilation_metrics, counters, get_compilation_metrics
 
@@ -178,7 +178,7 @@ def ops() -> list[dict]:
     for name, (fn, make) in cases.items():
         torch._dynamo.reset()
         clear_compilation_metrics()
-        sys.path.insert(0, os.path.dirname(__file__))
+        sys.path.insert(0, os.path.join(os.path.dirname(__file__), "backends"))
         from test_compile_attention import _CountingBackend
 
         counting = _CountingBackend("aot_eager")
