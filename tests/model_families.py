@@ -168,6 +168,8 @@ FIXES = {
         "mamba_dt_rank": "auto",
         "use_mamba_kernels": False,
     },
+    # an encoder with per-language adapters: its forward needs a language (its test sets one)
+    "xmod": {"default_language": "en_XX"},
 }
 FIXES["dots3_note_text"] = FIXES["dots3_note.text_config"]
 # the vision and audio towers' adapters map their own (shrunk) width to the text width
@@ -175,6 +177,9 @@ _ADAPTER = {"adapter_out_dim": SHRINK["hidden_size"]}
 FIXES["dots3_note.vision_config"] = {"adapter_in_dim": SHRINK["hidden_size"], **_ADAPTER}
 FIXES["dots3_note.audio_config"] = {"adapter_input_size": SHRINK["hidden_size"], **_ADAPTER}
 FIXES["qwen4_exp.text_config"] = FIXES["qwen4_exp_text"]
+# Families whose *ForCausalLM is the decoder of a composite model: it is built from that sub-config
+# (model_type "<family>_<sub-config>"), one codebook so that input_ids are (batch, time) as for text
+DECODER_OF = {"musicgen": "decoder", "musicgen_melody": "decoder"}
 LAYER_KEYS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers")
 # no dropout anywhere: train-mode randomness is not what is compared
 DROPOUT_KEYS = ("dropout", "attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop")
@@ -301,19 +306,28 @@ def tiny_config(family: str):
     from transformers import AutoConfig
 
     default = AutoConfig.for_model(family)
+    if family in DECODER_OF:
+        default = getattr(default, DECODER_OF[family])
+        default.num_codebooks = 1
     cfg = type(default).from_dict(_fix(family, _shrink(default.to_dict())))
     cfg.use_cache = False
     return cfg
 
 
 def _build(cfg, attn: str, dtype=torch.float32):
-    from transformers import AutoModelForCausalLM
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     cfg = copy.deepcopy(cfg)
     # the eager experts loop runs in fp64 too (grouped_mm does not): the fp64 reference
     cfg._experts_implementation = "eager"
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn)
+    owner = next((f for f, sub in DECODER_OF.items() if cfg.model_type == f"{f}_{sub}"), None)
+    if owner is not None:  # the auto class maps only the composite config to this class
+        cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[owner])
+        model = cls._from_config(cfg, attn_implementation=attn)
+    else:
+        model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn)
     if attn == ATTN:  # hybrid models: linear-attention layers restart at document boundaries
         hf_varlen.install_linear_attention(model)
     return model.eval().to(dtype)
