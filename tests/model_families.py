@@ -177,6 +177,13 @@ _ADAPTER = {"adapter_out_dim": SHRINK["hidden_size"]}
 FIXES["dots3_note.vision_config"] = {"adapter_in_dim": SHRINK["hidden_size"], **_ADAPTER}
 FIXES["dots3_note.audio_config"] = {"adapter_input_size": SHRINK["hidden_size"], **_ADAPTER}
 FIXES["qwen4_exp.text_config"] = FIXES["qwen4_exp_text"]
+# Keyword arguments for the default config itself, where it fails its own checks
+CONFIG_KWARGS = {
+    # the assistant reads the target's KV states and has no per-layer inputs of its own
+    "gemma4_assistant": {
+        "text_config": {"hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0}
+    },
+}
 # Families whose *ForCausalLM is the decoder of a composite model: it is built from that sub-config
 # (model_type "<family>_<sub-config>"), one codebook so that input_ids are (batch, time) as for text
 DECODER_OF = {"musicgen": "decoder", "musicgen_melody": "decoder"}
@@ -305,7 +312,7 @@ def _fix(family: str, d: dict) -> dict:
 def tiny_config(family: str):
     from transformers import AutoConfig
 
-    default = AutoConfig.for_model(family)
+    default = AutoConfig.for_model(family, **CONFIG_KWARGS.get(family, {}))
     if family in DECODER_OF:
         default = getattr(default, DECODER_OF[family])
         default.num_codebooks = 1
