@@ -2,7 +2,8 @@
 
 For each model type whose causal-LM auto class is a ``*ForCausalLM``, a tiny random config is made
 by shrinking the family's default config (two to four layers keeping one of each layer type,
-hidden 64, 4 heads, vocabulary 99, few experts; sub-configs alike) and the padding-free checks of
+hidden 64, 4 heads, vocabulary 99, few experts; sub-configs alike; ``FIXES`` per family where the
+default config cannot build a model) and the padding-free checks of
 transformers' FlashAttention tests are restated for ``varlen_packed`` (CPU, fp32), against eager
 ``each document alone`` references in fp64 and fp32 under the numerics rule:
 
@@ -102,6 +103,90 @@ SHRINK = {
     "eos_token_id": 2,
     "decoder_start_token_id": 1,
 }
+# Per-family settings on top of the shrunk dict ("a.b" reaches into the sub-config "a"; DROP
+# removes a key so the config derives it again): where a family's default config does not build a
+# model at all (fields left None, or checks the shrink breaks), the values its own transformers test
+# config uses, or the smallest that pass its config's checks.
+DROP = object()
+FIXES = {
+    # 5.25's default rope_parameters is {} while every layer looks up its layer type's entry
+    "cohere_compass_text": {
+        "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+    },
+    # the attention reads attn_config.rope_theta, which 5.25 moved to the top-level rope_parameters
+    # (and its clamp needs a clip_qkv, as in its transformers test config)
+    "dbrx": {"attn_config.rope_theta": 10000.0, "attn_config.clip_qkv": 8.0},
+    # to_dict() writes each layer as an (attention, mlp) pair, hence the doubled counts: one input,
+    # one looped and one output layer, the full-attention layer last
+    "dory": {
+        "layer_types": ["sliding_attention", "mlp"] * 2 + ["full_attention", "mlp"],
+        "num_hidden_layers": 6,
+        "n_input_layers": 2,
+        "n_recurrent_layers": 2,
+        "n_output_layers": 2,
+    },
+    # sliding layers take their MLA shapes from swa_* aliases (released-checkpoint sizes otherwise)
+    "dots3_note.text_config": {
+        "per_layer_config": DROP,
+        "head_dim": 16,
+        "index_head_dim": 16,
+        "index_n_heads": 4,
+        "swa_num_attention_heads": 4,
+        "swa_num_key_value_heads": 4,
+        "swa_q_lora_rank": 32,
+        "swa_kv_lora_rank": 16,
+        "swa_head_dim": 16,
+        "swa_qk_nope_head_dim": 8,
+        "swa_qk_rope_head_dim": 8,
+        "swa_v_head_dim": 16,
+    },
+    # the indexer/KV-source layout names layers of the 50-layer default: derive it again
+    # (and its indexer heads are at most the query heads of one key head)
+    "kolibri1_1": {
+        "index_layers": DROP,
+        "kv_source_layers": DROP,
+        "mlp_only_layers": DROP,
+        "index_num_heads": 2,
+    },
+    # 5.25's default leaves layer_types None while every layer reads it: one conv, one attention
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
+    # the QSA indexer's fields default to None while its layers need them
+    "qwen4_exp_text": {
+        "indexer_n_heads": 4,
+        "indexer_kv_heads": 1,
+        "indexer_head_dim": 16,
+        "indexer_budget": 8,
+        "indexer_compress_ratio": 4,
+    },
+    # the shared transformer block is tied across hybrid layers: keep two of them
+    "zamba": {
+        "layers_block_type": ["linear_attention", "hybrid"] * 2,
+        "num_hidden_layers": 4,
+        # widths derived from hidden_size again (the defaults' are stored absolute)
+        "attention_hidden_size": DROP,
+        "attention_head_dim": DROP,
+        "mamba_dt_rank": "auto",
+        "use_mamba_kernels": False,
+    },
+    # an encoder with per-language adapters: its forward needs a language (its test sets one)
+    "xmod": {"default_language": "en_XX"},
+}
+FIXES["dots3_note_text"] = FIXES["dots3_note.text_config"]
+# the vision and audio towers' adapters map their own (shrunk) width to the text width
+_ADAPTER = {"adapter_out_dim": SHRINK["hidden_size"]}
+FIXES["dots3_note.vision_config"] = {"adapter_in_dim": SHRINK["hidden_size"], **_ADAPTER}
+FIXES["dots3_note.audio_config"] = {"adapter_input_size": SHRINK["hidden_size"], **_ADAPTER}
+FIXES["qwen4_exp.text_config"] = FIXES["qwen4_exp_text"]
+# Keyword arguments for the default config itself, where it fails its own checks
+CONFIG_KWARGS = {
+    # the assistant reads the target's KV states and has no per-layer inputs of its own
+    "gemma4_assistant": {
+        "text_config": {"hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0}
+    },
+}
+# Families whose *ForCausalLM is the decoder of a composite model: it is built from that sub-config
+# (model_type "<family>_<sub-config>"), one codebook so that input_ids are (batch, time) as for text
+DECODER_OF = {"musicgen": "decoder", "musicgen_melody": "decoder"}
 LAYER_KEYS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers")
 # no dropout anywhere: train-mode randomness is not what is compared
 DROPOUT_KEYS = ("dropout", "attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop")
@@ -204,23 +289,52 @@ def _shrink(d: dict) -> dict:
     return d
 
 
+def _fix(family: str, d: dict) -> dict:
+    """``d`` with FIXES[family] (and FIXES[family.sub]) applied."""
+    for name, fixes in FIXES.items():
+        if name.split(".")[0] != family:
+            continue
+        target = d
+        for part in name.split(".")[1:]:
+            target = target[part]
+        for key, value in fixes.items():
+            *path, last = key.split(".")
+            where = target
+            for part in path:
+                where = where[part]
+            if value is DROP:
+                where.pop(last, None)
+            else:
+                where[last] = copy.deepcopy(value)
+    return d
+
+
 def tiny_config(family: str):
     from transformers import AutoConfig
 
-    default = AutoConfig.for_model(family)
-    cfg = type(default).from_dict(_shrink(default.to_dict()))
+    default = AutoConfig.for_model(family, **CONFIG_KWARGS.get(family, {}))
+    if family in DECODER_OF:
+        default = getattr(default, DECODER_OF[family])
+        default.num_codebooks = 1
+    cfg = type(default).from_dict(_fix(family, _shrink(default.to_dict())))
     cfg.use_cache = False
     return cfg
 
 
 def _build(cfg, attn: str, dtype=torch.float32):
-    from transformers import AutoModelForCausalLM
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     cfg = copy.deepcopy(cfg)
     # the eager experts loop runs in fp64 too (grouped_mm does not): the fp64 reference
     cfg._experts_implementation = "eager"
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn)
+    owner = next((f for f, sub in DECODER_OF.items() if cfg.model_type == f"{f}_{sub}"), None)
+    if owner is not None:  # the auto class maps only the composite config to this class
+        cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[owner])
+        model = cls._from_config(cfg, attn_implementation=attn)
+    else:
+        model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn)
     if attn == ATTN:  # hybrid models: linear-attention layers restart at document boundaries
         hf_varlen.install_linear_attention(model)
     return model.eval().to(dtype)

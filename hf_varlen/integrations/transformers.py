@@ -106,7 +106,7 @@ def dispatches_attention(model_cls: type) -> bool:
 
 def _unsupported_reason(model_cls: type) -> str | None:
     """Why a model class cannot run under varlen_packed, or None. Class flags (and whether its
-    modeling file dispatches through the attention interface) only."""
+    modeling file dispatches through the attention interface) and its forward's signature only."""
     name = model_cls.__name__
     stale_flag = not model_cls.is_backend_compatible() and _dispatches_through_interface(model_cls)
     if stale_flag and "position_ids" not in inspect.signature(model_cls.forward).parameters:
@@ -115,6 +115,12 @@ def _unsupported_reason(model_cls: type) -> str | None:
             "position_ids (learned positions counted from the start of the row, e.g. the "
             "decoders of encoder-decoder families), so the positions of a packed row cannot "
             "restart at each document"
+        )
+    if "shared_kv_states" in inspect.signature(model_cls.forward).parameters:
+        return (
+            f"{name} is a speculative-decoding assistant: its queries attend to the target "
+            "model's key/value states (shared_kv_states) through bidirectional masks it builds "
+            "as 4-D (a flipped sliding window), not causally over documents of its own row"
         )
     if not dispatches_attention(model_cls):
         return (
@@ -202,6 +208,7 @@ def varlen_refusal(model: torch.nn.Module) -> str | None:
 
     - config fields that need a 4-D mask (ALiBi, a PrefixLM prefix);
     - class flags, read with whether the modeling file dispatches through the interface anyway;
+    - speculative-decoding assistants (a forward taking the target's ``shared_kv_states``);
     - layers that carry a state along the row, except gated DeltaNet layers, which
       ``install_linear_attention`` restarts at every document boundary (accepted here whether or
       not installed yet: the first packed forward refuses them until they are).

@@ -18,6 +18,9 @@ import pathlib
 
 import model_families as mf
 import pytest
+import torch
+
+from hf_varlen.testing import numerics_error
 
 PAGE = pathlib.Path(__file__).resolve().parents[2] / "docs" / "models.md"
 # one family per kind of outcome: plain, KV-shared Gemma 4, hybrid with installed linear
@@ -59,3 +62,34 @@ def test_page_lists_the_installed_families():
 def test_page_matches_every_outcome():
     text = mf.render([mf.outcome(f) for f in FAMILIES])
     assert PAGE.read_text(encoding="utf-8") == text, "regenerate with scripts/models_table.py"
+
+
+def test_assistant_refusal_is_needed():
+    """Gemma 4's speculative-decoding assistant (refused by its forward's shared_kv_states): run
+    anyway, varlen_packed is not its eager self (its masks over the target's KV states are 4-D,
+    the sliding one flipped), so the refusal must stay until that changes."""
+    cfg = mf.tiny_config("gemma4_assistant")
+    text = cfg.get_text_config()
+    g = torch.Generator().manual_seed(0)
+    kv = {
+        kind: (torch.randn(2, text.num_key_value_heads, n, text.head_dim, generator=g),) * 2
+        for kind, n in (("full_attention", 9), ("sliding_attention", 4))
+    }
+    embeds = torch.randn(2, 2, 2 * cfg.backbone_hidden_size, generator=g)
+    mask = torch.tensor([[1] * 9, [0] * 3 + [1] * 6])
+
+    def logits(attn, dtype):
+        model = mf._build(cfg, attn, dtype)
+        states = {kind: (k.to(dtype), v.to(dtype)) for kind, (k, v) in kv.items()}
+        with torch.no_grad():
+            out = model(
+                inputs_embeds=embeds.to(dtype),
+                shared_kv_states=states,
+                attention_mask=mask,
+                position_ids=torch.full((2, 2), 9),
+            )
+        return out.logits
+
+    hi, lo = logits("eager", torch.float64), logits("eager", torch.float32)
+    ok, _ = numerics_error(logits(mf.ATTN, torch.float32), hi, lo)
+    assert not ok, "varlen_packed now matches eager for the Gemma 4 assistant: lift its refusal"
