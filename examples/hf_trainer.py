@@ -35,7 +35,8 @@ from hf_varlen import PackingCollator
 from hf_varlen.training import TrainConfig
 from hf_varlen.training.builtin import byte_tokenizer
 from hf_varlen.training.data import detect_format, load_records, tokenize
-from hf_varlen.training.model import build_model, fused_loss_choice
+from hf_varlen.training.model import build_model
+from hf_varlen.training.model_kernels import fused_loss_choice
 
 
 def main(argv: list[str] | None = None) -> dict:

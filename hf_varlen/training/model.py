@@ -25,6 +25,12 @@ from typing import Any
 import torch
 
 from .builtin import PRESETS, byte_tokenizer, tiny_shape
+from .model_kernels import (  # noqa: F401  moved to model_kernels.py, still importable here
+    LARGE_VOCAB,
+    apply_kernels,
+    apply_lora,
+    fused_loss_choice,
+)
 from .options import ModelOptions
 from .sources import hub_access, local_or_hub
 
