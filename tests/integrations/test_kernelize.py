@@ -24,6 +24,7 @@ import torch
 from tiny_packed import KERNEL_SHAPE
 from torch import nn
 from transformers import (
+    AutoModelForCausalLM,
     Gemma2Config,
     Gemma2ForCausalLM,
     LlamaConfig,
@@ -109,7 +110,7 @@ def references(base: nn.Module, dtype: torch.dtype, batch: dict):
 
 def is_ours(module: nn.Module) -> bool:
     fn = module.__dict__.get("forward")
-    return getattr(getattr(fn, "__func__", None), "__module__", "").endswith("hub_layers")
+    return getattr(getattr(fn, "__func__", None), "__module__", "").endswith(".hub.layers")
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -200,6 +201,7 @@ def test_idempotent_partial_and_undo():
     first = kernelize(model, cross_entropy=False)
     assert torch.equal(rng, torch.get_rng_state())  # probes use their own generator
     forwards = {n: m.__dict__.get("forward") for n, m in model.named_modules() if is_ours(m)}
+    assert len(forwards) == 7, forwards  # 5 norms + 2 MLPs: is_ours sees what kernelize installed
     with torch.no_grad():
         out1 = model(**batch).logits
     second = kernelize(model, cross_entropy=False)
@@ -382,3 +384,23 @@ def test_bad_arguments():
         kernelize("not a model")
     with pytest.raises(TypeError, match="device must be"):
         kernelize(nn.Linear(2, 2), device=3)
+
+
+def test_layers_survive_transformers_own_kernelization(tmp_path):
+    """From transformers 5.25 ``from_pretrained`` turns on its own kernelization, which runs
+    again at every train() / eval() switch and resets hub-decorated layers (RMSNorm) to their
+    class forward: the fused layers must still be there after the switches, and undo gives
+    transformers its switch back."""
+    tiny("llama").save_pretrained(tmp_path / "m")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "m").to(DEVICE)
+    had_hf_kernels = bool(getattr(model, "use_kernels", False))
+    report = kernelize(model, cross_entropy=False)
+    assert report.counts["rmsnorm"] == 5, report
+    model.train()
+    model.eval()
+    model.train()
+    ours = [n for n, m in model.named_modules() if is_ours(m)]
+    assert len([n for n in ours if "norm" in n]) == 5, ours
+    report.undo()
+    assert not any(is_ours(m) for m in model.modules())
+    assert bool(getattr(model, "use_kernels", False)) == had_hf_kernels

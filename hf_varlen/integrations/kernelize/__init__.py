@@ -100,6 +100,9 @@ class KernelizeReport:
     left_alone: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     _model: weakref.ref | None = field(default=None, repr=False, compare=False)
+    # transformers' own kernelization was on for the model and this call turned it off (undo
+    # turns it back on)
+    _hf_kernels: bool = field(default=False, repr=False, compare=False)
 
     @property
     def counts(self) -> dict[str, int]:
@@ -124,6 +127,9 @@ class KernelizeReport:
             from ..fused_loss import uninstall_fused_cross_entropy
 
             uninstall_fused_cross_entropy(model)
+        if self._hf_kernels:
+            model.set_use_kernels(True)
+            self._hf_kernels = False
         self.replaced.clear()
         self.layers.clear()
 
@@ -206,6 +212,22 @@ def _is_ours(forward) -> bool:
         and func.__qualname__ in _OUR_FORWARDS
         and func.__module__.endswith(".hub.layers")
     )
+
+
+def _stop_hf_kernels(model: nn.Module, report: KernelizeReport) -> bool:
+    """Turn transformers' own kernelization off for this model (``reset_kernels``, its public
+    switch); True when it was on. From 5.25 ``from_pretrained`` turns it on by default and it runs
+    again at every ``train()`` / ``eval()`` switch, resetting every hub-decorated layer (RMSNorm)
+    to its class forward or transformers' own mapping: our replacements would be gone silently at
+    the first ``model.train()``."""
+    if not getattr(model, "use_kernels", False) or not hasattr(model, "reset_kernels"):
+        return False
+    model.reset_kernels()
+    report.notes.append(
+        "transformers' own kernelization (use_kernels, re-run at every train()/eval()) is off for "
+        "this model so the fused layers stay; report.undo() turns it back on"
+    )
+    return True
 
 
 def _undo(model: nn.Module) -> None:
@@ -387,6 +409,8 @@ def kernelize(
     if targets and (why := _device_problem(device_type)):
         report.left_alone.update({t.name: why for t in targets})
         targets = []
+    if targets:
+        report._hf_kernels = _stop_hf_kernels(model, report)
     if not targets:
         layers = None
     elif problem:
