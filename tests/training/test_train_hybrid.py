@@ -101,3 +101,19 @@ def test_cli_refused_model_is_exit_2_with_the_reason(tmp_path, capsys):
     lines = [ln for ln in err.splitlines() if ln.startswith("hf-varlen: error")]
     assert code == 2 and len(lines) == 1, err
     assert "carry a state along the row (recurrent)" in lines[0] and "--padded" in lines[0]
+
+
+def test_hybrid_steps_eager_under_auto_and_refuses_on(tmp_path):
+    """The linear-attention layers read the offsets on the host every batch: ``--cuda-graphs
+    auto`` steps eager and says why, ``on`` is refused with that reason (not a failed capture)."""
+    from hf_varlen.training.builders import graphs_for_model
+
+    model = _tiny("qwen3_5")
+    check_attention(model, ATTN, "qwen3_5")
+    cpu = torch.device("cpu")
+    auto = tiny_train_config(tmp_path, "auto", cuda_graphs="auto")
+    on, note = graphs_for_model(auto, model, cpu, 1, "fp32", 384.0, (True, "auto: captured"))
+    assert not on and "linear-attention layer(s)" in note and note.startswith("eager (auto: ")
+    forced = tiny_train_config(tmp_path, "on", cuda_graphs="on")
+    with pytest.raises(ValueError, match="--cuda-graphs on cannot be honoured: .*linear-attention"):
+        graphs_for_model(forced, model, cpu, 1, "fp32", 384.0, (True, "on"))
