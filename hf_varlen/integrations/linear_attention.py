@@ -127,6 +127,19 @@ def is_packed_layer(module: nn.Module) -> bool:
     return hasattr(type(module), _BASE)
 
 
+def capture_blockers(model: nn.Module) -> list[str]:
+    """Why a CUDA graph cannot capture a training step of ``model`` (empty: nothing here blocks
+    it): installed linear-attention layers split the row per document from the offsets' values on
+    the host every batch (both paths). The CLI and the captured Trainer steps read this one rule."""
+    packed = [name for name, m in model.named_modules() if is_packed_layer(m)]
+    if not packed:
+        return []
+    return [
+        f"{len(packed)} linear-attention layer(s) ({packed[0]}, ...) read the document offsets "
+        "on the host every batch, which a CUDA graph cannot capture"
+    ]
+
+
 def _fla_missing(layer: nn.Module) -> str | None:
     """Why the FLA path cannot serve ``layer`` on any device, or None."""
     if fla_path.fla_chunk_gated_delta_rule() is None:

@@ -166,21 +166,6 @@ def build_training_model(
     return model, kernels, fused_ce, loss_impl
 
 
-def _host_read_blockers(model) -> list[str]:
-    """Layers of the built model that read the batch's document offsets on the host every batch,
-    which a CUDA graph cannot capture: a hybrid model's linear-attention layers (both paths split
-    the row per document from the offsets' values)."""
-    from ..integrations.linear_attention import is_packed_layer
-
-    hybrid = [name for name, m in model.named_modules() if is_packed_layer(m)]
-    if not hybrid:
-        return []
-    return [
-        f"{len(hybrid)} linear-attention layer(s) ({hybrid[0]}, ...) read the document offsets "
-        "on the host every batch, which a CUDA graph cannot capture"
-    ]
-
-
 def graphs_for_model(
     cfg: TrainConfig,
     model,
@@ -192,8 +177,10 @@ def graphs_for_model(
 ) -> tuple[bool, str]:
     """The step mode ``decision`` (on, note) revisited with the built model: what in it blocks a
     capture, and on CUDA whether the captures fit in the free memory."""
+    from ..integrations.linear_attention import capture_blockers
+
     graphs_on, note = decision
-    if graphs_on and (blockers := model_blockers(model) + _host_read_blockers(model)):
+    if graphs_on and (blockers := model_blockers(model) + capture_blockers(model)):
         if cfg.cuda_graphs == "on":
             raise ValueError("--cuda-graphs on cannot be honoured: " + "; ".join(blockers))
         return False, "eager (auto: " + "; ".join(blockers) + ")"

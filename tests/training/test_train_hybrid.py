@@ -117,3 +117,21 @@ def test_hybrid_steps_eager_under_auto_and_refuses_on(tmp_path):
     forced = tiny_train_config(tmp_path, "on", cuda_graphs="on")
     with pytest.raises(ValueError, match="--cuda-graphs on cannot be honoured: .*linear-attention"):
         graphs_for_model(forced, model, cpu, 1, "fp32", 384.0, (True, "on"))
+
+
+def test_hybrid_refused_by_the_captured_trainer_step(tmp_path):
+    """Trainer's captured step reads the same rule: ``cuda_graphs="on"`` is refused when the
+    trainer is built, naming the linear-attention layers (not left to a failing capture)."""
+    pytest.importorskip("accelerate")
+    from transformers import TrainingArguments
+
+    from hf_varlen import install_linear_attention
+    from hf_varlen.integrations.trainers.captured import CaptureError, VarlenTrainer
+
+    model = _tiny("qwen3_5_text")
+    assert install_linear_attention(model, path="loop") > 0
+    args = TrainingArguments(output_dir=str(tmp_path / "t"), use_cpu=True, report_to="none")
+    with pytest.raises(CaptureError, match=r"cuda_graphs='on' cannot be honoured: .*linear-att"):
+        VarlenTrainer(model=model, args=args, cuda_graphs="on")
+    trainer = VarlenTrainer(model=model, args=args, cuda_graphs="auto")
+    assert any("linear-attention layer(s)" in r for r in trainer._static_blockers())

@@ -30,7 +30,8 @@ engine owns backward and the gradient partitions), FSDP (per-layer all-gathers a
 bookkeeping), several processes (DDP's all-reduce is eager) or ``DataParallel`` (``n_gpu > 1``),
 activation offloading (host copies), an attention implementation other than ``varlen_packed``
 (padding-free batches on ``sdpa`` / ``flash_attention_2`` derive documents from ``position_ids``
-with host syncs), a batch that is not padding-free, gradient checkpointing with dropout (the
+with host syncs), a hybrid model's installed linear-attention layers (they split the row per
+document from the offsets' values on the host), a batch that is not padding-free, gradient checkpointing with dropout (the
 recompute must restore the RNG state on the host), a forward that synchronises with the host
 (the capture fails; reported with that reason). Gradient checkpointing without dropout is re-
 enabled with ``preserve_rng_state=False`` (nothing random to replay), said once.
@@ -50,6 +51,7 @@ from transformers import Trainer
 
 from ...captured_step import GraphedStep, StepMode, capture_bytes, choose_step_mode, model_blockers
 from ...packing import bucket_ladder
+from ..linear_attention import capture_blockers
 
 __all__ = ["CaptureError", "CapturedStepMixin", "VarlenTrainer", "pad_to_bucket"]
 
@@ -178,6 +180,7 @@ class CapturedStepMixin:
         if getattr(args, "torch_compile_mode", None) == "reduce-overhead":
             reasons.append("torch_compile_mode='reduce-overhead' captures with Inductor's graphs")
         model = self.accelerator.unwrap_model(self.model)
+        reasons += capture_blockers(model)
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         attn = getattr(getattr(base, "config", None), "_attn_implementation", None)
         if attn != "varlen_packed":
