@@ -268,10 +268,12 @@ trl)
         --dataset "$data/alpaca_5000.json" --out "$out/trl" --steps 15 --warmup 5 --timeout 120
     ;;
 baseline)  # HF_VARLEN_BASELINE="attn" runs only the attention comparison (default: attn rope);
-    # HF_VARLEN_ATTN_CASES: a comma list of bench_attention's cases (default: all of them)
+    # HF_VARLEN_ATTN_CASES: a comma list of bench_attention's cases (default: all of them);
+    # HF_VARLEN_BASELINE_TREES: the older trees, each unpacked in .baseline<SUFFIX>/ and logged
+    # as old<SUFFIX> (default: .baseline)
     for bench in ${HF_VARLEN_BASELINE:-attn rope}; do
-        for tree in .baseline .; do
-            tag=$([ "$tree" = . ] && echo new || echo old)
+        for tree in ${HF_VARLEN_BASELINE_TREES:-.baseline} .; do  # older trees first, then this
+            tag=$([ "$tree" = . ] && echo new || echo "old${tree#.baseline}")
             env=(env PYTHONPATH="$PWD/$tree:$PYTHONPATH")
             case "$bench" in
             attn) step "attn_$tag" 200 "${env[@]}" python3 "$tree/scripts/bench_attention.py" \
