@@ -189,4 +189,5 @@ register_backend(BackendSpec(
     dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
     backward_devices=frozenset({"cuda"}),  # torch's FlexAttention has no CPU backward
     sliding_window=True, softcap=True, sinks=True,
+    min_head_dim={"cuda": 16},  # Inductor's flex kernels: "embedding dimension ... at least 16"
 ))  # fmt: skip

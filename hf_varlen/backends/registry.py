@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -65,6 +65,9 @@ class BackendSpec:
     non_causal: bool = True
     deterministic: bool = True  # a bitwise-repeatable backward is available on request
     head_dim_multiple: int = 1
+    # device type -> the smallest head dim served there (compiled FlexAttention's CUDA kernels
+    # need >= 16; its CPU path takes any)
+    min_head_dim: Mapping[str, int] = field(default_factory=dict)
     backward_devices: frozenset[str] | None = None  # None: backward wherever forward runs
     # False: torch.compile cannot trace ``fn`` (host offsets, Python-side JIT); while compiling it
     # runs as one opaque op with a recompute backward (backends/opaque.py)
@@ -326,6 +329,8 @@ class Request:
             out.append(f"head_dim {self.head_dim} (supports {sorted(spec.head_dims)})")
         if spec.max_head_dim is not None and self.head_dim > spec.max_head_dim:
             out.append(f"head_dim {self.head_dim} (supports <= {spec.max_head_dim})")
+        if self.head_dim < (low := spec.min_head_dim.get(self.device, 1)):
+            out.append(f"head_dim {self.head_dim} on {self.device} (supports >= {low})")
         if self.window and not spec.sliding_window:
             out.append("sliding window (window_size / sliding_window)")
         if self.softcap and not spec.softcap:

@@ -349,6 +349,30 @@ def test_auto_on_cuda_prefers_triton_and_fa4_for_long_documents(monkeypatch):
     assert registry.resolve("auto", dropout).name == "flash_attn"
 
 
+def test_auto_on_cuda_skips_flex_below_its_smallest_head_dim(monkeypatch):
+    """Compiled FlexAttention on CUDA needs head dim >= 16 (Inductor refuses smaller): an fp32
+    call of head dim 8 goes past flex to sdpa, an explicit flex names the limit before any
+    launch, and flex's CPU path keeps serving any head dim."""
+    from hf_varlen.backends import registry
+
+    monkeypatch.setattr(registry, "unavailable_reason", lambda name: None)
+    monkeypatch.setattr(registry, "_AUTO_LOGGED", set())
+    base = dict(dtype=torch.float32, causal=True, window=False, softcap=False, dropout=False)
+    tiny = registry.Request(device="cuda", head_dim=8, **base)
+    assert registry.resolve("auto", tiny).name == "sdpa"
+    assert (
+        registry.resolve("auto", registry.Request(device="cuda", head_dim=16, **base)).name
+        == "flex"
+    )
+    with pytest.raises(
+        ValueError, match=r"backend='flex' does not support: head_dim 8 on cuda \(supports >= 16\)"
+    ):
+        registry.resolve("flex", tiny)
+    assert (
+        registry.resolve("flex", registry.Request(device="cpu", head_dim=8, **base)).name == "flex"
+    )
+
+
 @pytest.mark.parametrize(
     "max_len,total,n_docs,long",
     [  # the packs of BENCHMARKS run K (H200): whether FA4 beat our kernel on each
