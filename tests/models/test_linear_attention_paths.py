@@ -45,11 +45,15 @@ def _model(family, attn=ATTN, dtype=torch.float32, device="cpu"):
 
 
 def _refs(family, docs, device="cpu", low=torch.float32):
+    """Each document alone through transformers' own model: fp64 on the CPU (with
+    flash-linear-attention installed, transformers runs FLA's kernels on CUDA, which have no
+    fp64), and ``low`` on ``device``."""
     refs = []
-    for dtype in (torch.float64, low):
-        _, ref = _model(family, "eager", dtype, device)
+    for dtype, where in ((torch.float64, "cpu"), (low, device)):
+        _, ref = _model(family, "eager", dtype, where)
         with torch.no_grad():
-            refs.append(torch.cat([ref(input_ids=d[None].to(device)).logits[0] for d in docs]))
+            logits = [ref(input_ids=d[None].to(where)).logits[0] for d in docs]
+        refs.append(torch.cat(logits).to(device))
     return refs
 
 
