@@ -382,9 +382,11 @@ def resolve(name: str, req: Request) -> BackendSpec:
             continue
         # Logged once per process for each (backend, device, dtype) it picks — not per feature set,
         # so a no-grad trial forward and the training steps do not log the same choice twice —
-        # and never from inside a traced region (no side effects there).
+        # and never from inside a traced region (no side effects there). tracing() comes first:
+        # Dynamo would otherwise guard on the set, and the first eager call's entry would make a
+        # model compiled before it recompile.
         key = (cand, req.device, req.dtype)
-        if key not in _AUTO_LOGGED and not tracing():
+        if not tracing() and key not in _AUTO_LOGGED:
             _AUTO_LOGGED.add(key)
             logger.info("hf_varlen: backend='auto' chose %r for %s %s", cand, req.device, req.dtype)
         return _REGISTRY[cand]

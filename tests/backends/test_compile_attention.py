@@ -265,6 +265,27 @@ def test_triton_attention_does_not_recompile_per_pack_under_dynamo():
     assert counting.compiles <= 2
 
 
+def test_auto_choice_log_adds_no_guard(monkeypatch):
+    """``backend="auto"`` logs its choice once per process, from eager calls only: compiled
+    first, then called eagerly (which logs), the compiled function does not recompile."""
+    from hf_varlen.backends import registry
+
+    monkeypatch.setattr(registry, "_AUTO_LOGGED", set())
+    torch._dynamo.reset()
+    counting = _CountingBackend("eager")
+    cu = torch.tensor(CU, dtype=torch.int32)
+    q, k, v = _qkv(t=CU[-1], device="cpu")
+
+    def f(q, k, v):
+        return hf_varlen.varlen_attention(q, k, v, cu, cu, CU[-1], CU[-1], causal=True)
+
+    compiled = torch.compile(f, backend=counting)
+    compiled(q, k, v)
+    f(q, k, v)
+    compiled(q, k, v)
+    assert registry._AUTO_LOGGED and counting.compiles == 1
+
+
 @pytest.mark.parametrize(
     "positions", [[0, 1, 2, 0, 1, 0, 1, 2, 3], [0, 1, 2, 3], [5, 6, 0, 0, 1], [0], [0, 0, 0]]
 )
