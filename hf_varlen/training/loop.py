@@ -74,6 +74,7 @@ from .model import (
     load_tokenizer,
     matmul_flops_per_token,
     pad_id,
+    parameter_count,
     resolve_precision,
 )
 from .profiling import StepProfiler
@@ -187,8 +188,8 @@ class PackedTrainer:
             cfg, model, self.device, acc.num_processes, self.precision, tokens,
             (graphs_on, self.graphs_note),
         )  # fmt: skip
-        self.params = sum(p.numel() for p in model.parameters())
-        self.trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        self.params = parameter_count(model)
+        self.trainable = parameter_count(model, trainable_only=True)
         self.flops_per_token = matmul_flops_per_token(model)
         self.attn_dims = attention_dims(model)
         self.loss_kwargs = accepts_loss_kwargs(model)

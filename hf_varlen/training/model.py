@@ -336,6 +336,22 @@ def matmul_flops_per_token(model) -> float:
     return total
 
 
+def parameter_count(model, trainable_only: bool = False) -> int:
+    """Parameters of ``model`` as the model has them: a bitsandbytes 4-bit weight (``Params4bit``)
+    stores two values per byte of its storage type, so its ``numel()`` is a fraction of its count
+    (transformers' ``num_parameters`` counts it the same way)."""
+    total = 0
+    for p in model.parameters():
+        if trainable_only and not p.requires_grad:
+            continue
+        n = p.numel()
+        if type(p).__name__ == "Params4bit":
+            storage = getattr(p, "quant_storage", torch.uint8)
+            n *= 2 * torch.empty((), dtype=storage).element_size()
+        total += n
+    return total
+
+
 def attention_dims(model) -> tuple[int, int]:
     """(layers, heads * head_dim of the queries) for the attention FLOP estimate."""
     config = model.config

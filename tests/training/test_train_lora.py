@@ -165,6 +165,22 @@ def test_load_in_4bit_passes_bitsandbytes_config(tmp_path, recorded_from_pretrai
     assert model.config._attn_implementation == "varlen_packed" and not model.config.use_cache
 
 
+def test_parameter_count_counts_a_4bit_weight_whole():
+    """A bitsandbytes ``Params4bit`` holds two values per byte of its storage: the run summary's
+    parameter count is the model's, not the storage's (stand-in class of that name on CPU)."""
+    from hf_varlen.training.model import parameter_count
+
+    class Params4bit(torch.nn.Parameter):  # bitsandbytes' class name; packed uint8 storage
+        pass
+
+    model = torch.nn.Linear(8, 4, bias=True)  # 32 weights + 4 biases
+    packed = Params4bit(torch.zeros(16, 1, dtype=torch.uint8), requires_grad=False)
+    packed.quant_storage = torch.uint8
+    model.weight = packed
+    assert parameter_count(model) == 32 + 4
+    assert parameter_count(model, trainable_only=True) == 4
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision", ["bf16", "bf16-mixed"])
 def test_fused_lora_gpu_eager_and_compiled(tmp_path, precision):
