@@ -32,7 +32,9 @@ Two paths for a packed row (``install_linear_attention(model, path=...)``):
   layer class, device, choice and reason (logger ``hf_varlen``). An explicit ``"fla"`` that cannot run
   raises one line naming why, at install when it cannot run anywhere, else at the forward.
 
-Unpacked and padded batches, and decoding, go to the layer's own forward unchanged.
+Unpacked and padded batches, and decoding, go to the layer's own forward unchanged. Both paths
+read the document offsets on the host once per batch, which a CUDA graph cannot capture:
+``capture_blockers(model)`` says so for ``hf-varlen train`` and the captured Trainer step.
 
 Shapes: hidden_states (1, T, hidden) for a packed row (T tokens, documents at cu_seq_lens_q),
 (B, T, hidden) otherwise; the output has the same shape.

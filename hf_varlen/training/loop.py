@@ -240,7 +240,7 @@ class PackedTrainer:
         if self.acc.is_main_process:
             logger.info(text)
 
-    def _reduce(self, values: list[float]) -> list[float]:
+    def sum_over_processes(self, values: list[float]) -> list[float]:
         """``values`` summed over the processes (one process: as given, with no device round trip,
         which would wait for the queued GPU work: a sync the step does not need)."""
         if self.acc.num_processes == 1:
@@ -306,7 +306,7 @@ class PackedTrainer:
         counts = batch_counts(batches, self.cfg.token_budget)
         self.rank_real_tokens += counts[0]
         # Reduced before the update, so every rank takes the same decision on a non-finite step.
-        totals = self._reduce([loss_value, *counts])
+        totals = self.sum_over_processes([loss_value, *counts])
         gn = float(grad_norm) if grad_norm is not None else math.nan
         check_pending_offsets()  # deferred offset checks: free after the reads above
         finite = math.isfinite(totals[0]) and (grad_norm is None or math.isfinite(gn))
@@ -338,7 +338,7 @@ class PackedTrainer:
             self.model, (self.eval_batcher(idx) for idx in self.eval_sampler), self.compiler,
             self.device, self.loss_kwargs, self.eval_kwargs,
         )  # fmt: skip
-        total, n = self._reduce([float(ce), count])
+        total, n = self.sum_over_processes([float(ce), count])
         return {"eval_loss": total / n, "eval_tokens": int(n)}
 
     def run(self) -> dict[str, Any]:

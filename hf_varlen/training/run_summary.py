@@ -160,7 +160,10 @@ def write_summary(trainer, records: list[dict[str, Any]], evals: list[dict[str, 
         compile=trainer.compiler.summary(records),
         cuda_graphs=trainer.graphs_summary(),
         static_shapes=static_shapes_summary(
-            trainer.bucket_counts, trainer._reduce, records, trainer.sampler.max_documents
+            trainer.bucket_counts,
+            trainer.sum_over_processes,
+            records,
+            trainer.sampler.max_documents,
         ),
         ranks=ranks_summary(trainer.acc, trainer.device, trainer.rank_real_tokens, records),
         profile=trainer.profiler.result,
