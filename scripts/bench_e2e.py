@@ -94,7 +94,6 @@ import functools
 import inspect
 import itertools
 import json
-import re
 import subprocess
 import sys
 import time
@@ -104,6 +103,18 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
+from e2e_inputs import (  # noqa: E402
+    export_batches,
+    padding_rows,
+    prepare_dataset,
+    prepare_model_dir,
+)
+from e2e_measure import (  # noqa: E402
+    gpu_busy,
+    profile_step,
+    recompile_reasons,
+    trainer_records,
+)
 from e2e_peers import PEERS  # noqa: E402  (no torch, no hf_varlen: cheap)
 
 SHARED = ROOT.parent / "shared" / "data"
@@ -371,37 +382,6 @@ def precision_policy(run: dict, precision: str) -> str:
     return text + ("; LoRA adapters as peft creates them" if spec.get("lora") else "")
 
 
-def gpu_busy(trainer) -> dict:
-    """How busy the GPU is during one more training step (after the timed ones, so compiled and
-    graph-captured modes are warm): device kernel time over the step's wall time, from a
-    CUDA-only profiler trace (no CPU op tracing, which would slow the host and flatter nothing).
-    Kernels on several streams could overlap and count twice; the training step uses one. The
-    same trace names the attention kernels the step ran (the peers report theirs alike)."""
-    import torch
-    from bench_common import attention_kernels, device_kernel_seconds
-    from torch.profiler import ProfilerActivity, profile
-
-    slot = list(trainer.sampler)[0]
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        t0 = time.perf_counter()
-        trainer.train_step([slot])
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
-    return {
-        "gpu_busy": device_kernel_seconds(prof) / wall,
-        "busy_step_ms": 1e3 * wall,
-        "attention_kernels": attention_kernels(prof),
-    }
-
-
-def is_device_kernel(event) -> bool:
-    """bench_common.is_device_kernel (kept here for the step profile)."""
-    from bench_common import is_device_kernel as is_kernel
-
-    return is_kernel(event)
-
-
 def _unsteady(record: dict) -> bool:
     """Whether a step compiled or captured CUDA graphs (its time is not the steady step's)."""
     return bool(record.get("compilations") or record.get("captures"))
@@ -427,147 +407,8 @@ def compile_stats(run: dict, records: list[dict], steady: list[dict]) -> dict:
     }
 
 
-def recompile_reasons() -> list[str]:
-    """Why each recompile happened (the guard that failed), so a cell's count is explained."""
-    from torch._dynamo.utils import guard_failures
-
-    return [
-        f"{code.co_name}: {reason}"[:300]
-        for code, reasons in guard_failures.items()
-        for reason in reasons
-    ][:8]
-
-
-def trainer_records(run_dir: str) -> list[dict]:
-    from hf_varlen.training.metrics import read_log
-
-    return [r for r in read_log(run_dir) if "loss" in r]
-
-
-# Kernel / op name -> category for the step profile (first match wins).
-CATEGORIES = (
-    ("cross-entropy", r"_ce_rows|cross_entropy|log_softmax|nll_loss"),
-    ("rope/glu/rmsnorm (fused)", r"rope|rotary|glu|rms_?norm"),
-    ("attention", r"attn|attention|flash|fmha|varlen|sdpa"),
-    ("optimizer", r"adam|multi_tensor|foreach|optimizer"),
-    ("matmul", r"gemm|matmul|\bmm\b|aten::mm|aten::addmm|aten::bmm|cutlass|xmma|nvjet|sm90_"),
-    ("copies/casts", r"copy|cast|to_copy|cat|fill|memset|memcpy|zero"),
-)
-
-
-def profile_step(trainer, run: dict) -> dict:
-    """Time one training step under torch.profiler after ``warmup`` unprofiled ones."""
-    import torch
-    from e2e_host_profile import PYTHON_STEPS, python_profile, sync_points
-    from e2e_host_sampler import sampled_profile
-    from torch.profiler import ProfilerActivity, profile
-
-    slots = list(trainer.sampler)
-    for group in ([s] for s in slots[: run["warmup"]]):
-        trainer.train_step(group)
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=acts) as prof:
-        counts = trainer.train_step([slots[run["warmup"]]])
-    on_gpu = torch.cuda.is_available()
-    by_cat: dict[str, float] = {}
-    kernels = []
-    # Host side: self CPU time per op (with the profiler's own overhead, so compare modes with each
-    # other, not with the unprofiled step).
-    host = sorted(
-        ((e.self_cpu_time_total, e.count, e.key) for e in prof.key_averages()),
-        reverse=True,
-    )
-    for evt in prof.key_averages():
-        if on_gpu:
-            if not is_device_kernel(evt):
-                continue
-            us = getattr(evt, "self_device_time_total", None) or evt.self_cuda_time_total
-        else:
-            us = evt.self_cpu_time_total
-        if us <= 0:
-            continue
-        name = evt.key
-        cat = next(
-            (c for c, pat in CATEGORIES if re.search(pat, name, re.IGNORECASE)), "other elementwise"
-        )
-        by_cat[cat] = by_cat.get(cat, 0.0) + us
-        kernels.append((us, cat, name))
-    kernels.sort(reverse=True)
-    return {
-        "status": "ok",
-        "step_ms": 1e3 * counts["step_time"],
-        "real_tokens": counts["real_tokens"],
-        "clock": "GPU kernel time" if on_gpu else "CPU op time",
-        "by_category_ms": {c: us / 1e3 for c, us in sorted(by_cat.items(), key=lambda x: -x[1])},
-        "top": [(us / 1e3, cat, name[:100]) for us, cat, name in kernels[:25]],
-        "host_ms": sum(us for us, _, _ in host) / 1e3,
-        "host_top": [(us / 1e3, n, name[:100]) for us, n, name in host[:25]],
-        **python_profile(trainer, slots, run["warmup"] + 1),
-        **sync_points(trainer, slots[(run["warmup"] + 1 + PYTHON_STEPS) % len(slots)]),
-        **sampled_profile(trainer, slots, run["warmup"] + 2 + PYTHON_STEPS),
-        "recompile_reasons": recompile_reasons(),
-    }
-
-
 # --------------------------------------------------------------------------------------------- #
 # The driver.
-
-
-def prepare_dataset(name: str, args, out: Path) -> str:
-    """Path of the training data: alpaca as is, or alpaca + lima shuffled into one file (mix)."""
-    if name == "alpaca":
-        return str(args.alpaca)
-    if name == "mix":
-        import random
-
-        records = json.loads(Path(args.alpaca).read_text()) + json.loads(
-            Path(args.lima).read_text()
-        )
-        records = [{k: r.get(k, "") for k in ("instruction", "input", "output")} for r in records]
-        random.Random(0).shuffle(records)
-        path = out / "alpaca_lima_mix.json"
-        path.write_text(json.dumps(records))
-        return str(path)
-    return name  # any local file or hub dataset the trainer accepts
-
-
-def prepare_model_dir(spec: dict) -> str:
-    """Save the random-init model of ``spec`` (preset, layers, tokenizer, precision, seed) once to
-    ``spec["dir"]`` with its tokenizer, for every mode and peer to load with
-    ``local_files_only``: Unsloth has no ``from_config``, and one folder makes the initial
-    weights identical everywhere (a preset's init on the GPU draws other numbers than on the
-    host). A folder written for the same spec is reused."""
-    import shutil
-
-    import torch
-
-    from hf_varlen.training import TrainConfig
-    from hf_varlen.training.model import build_model, load_tokenizer
-
-    out = Path(spec["dir"])
-    marker = out / "bench_e2e_model.json"
-    if marker.exists() and json.loads(marker.read_text()) == spec:
-        return str(out)
-    shutil.rmtree(out, ignore_errors=True)
-    overrides = f"num_hidden_layers={spec['layers']}" if spec.get("layers") else None
-    cfg = TrainConfig(
-        model=spec["model"], tokenizer=spec["tokenizer"], config_overrides=overrides,
-        attn_implementation="sdpa",  # saved in config.json: one every peer's transformers knows
-    )  # fmt: skip
-    tokenizer = load_tokenizer(cfg)
-    torch.manual_seed(spec["seed"])
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = build_model(cfg, tokenizer, spec["precision"], device)
-    model.save_pretrained(out)
-    source = Path(spec["tokenizer"])
-    if source.is_dir():  # the tokenizer's own files, readable by an older transformers too
-        for f in source.iterdir():
-            if f.is_file():
-                shutil.copy(f, out / f.name)
-    else:
-        tokenizer.save_pretrained(out)
-    marker.write_text(json.dumps(spec))
-    return str(out)
 
 
 def model_dirs(args, precision: str, cache: Path) -> dict[str, str]:
@@ -591,54 +432,6 @@ def model_dirs(args, precision: str, cache: Path) -> dict[str, str]:
         else:
             dirs[model] = prepare_model_dir(spec)
     return dirs
-
-
-@functools.cache
-def _examples(dataset: str, tokenizer: str, max_length: int, seed: int):
-    from hf_varlen.training import TrainConfig
-    from hf_varlen.training.data import detect_format, load_records, split_eval, tokenize
-    from hf_varlen.training.model import load_tokenizer
-
-    cfg = TrainConfig(  # the fields of train_config that shape the examples (builtin: the seed)
-        tokenizer=tokenizer, dataset=dataset, format="alpaca", max_length=max_length, seed=seed
-    )
-    records = load_records(dataset, cfg)
-    examples = tokenize(records, detect_format(records, cfg, dataset), load_tokenizer(cfg), cfg)
-    return split_eval(examples, 0.0, seed)[0]
-
-
-def trainer_batches(run: dict, n: int) -> list[list[dict]]:
-    """The first ``n`` batches ``hf-varlen train`` trains on in ``run`` (its sampler: one
-    process, shuffled with the seed, epoch 0): per batch its examples' input_ids and labels."""
-    from hf_varlen.packing import ExampleCountBatchSampler
-
-    ex = _examples(run["dataset"], run["tokenizer"], run["max_length"], run["seed"])
-    sampler = ExampleCountBatchSampler(
-        ex.lengths, run["batch_size"], shuffle=True, seed=run["seed"], num_replicas=1, rank=0
-    )
-    sampler.set_epoch(0)
-    slots = list(sampler)
-    if len(slots) < n:
-        raise ValueError(f"{run['dataset']}: {len(slots)} batches of {run['batch_size']}, need {n}")
-    return [
-        [{"input_ids": ex.input_ids[i].tolist(), "labels": ex.labels[i].tolist()} for i in slot]
-        for slot in slots[:n]
-    ]
-
-
-def export_batches(run: dict, cache: Path) -> str:
-    """The batches file a peer trains on (e2e_peers.read_batches): the timed steps + the profiled
-    one, one JSON list of examples per line. Written once per data, length, batch and seed."""
-    n = run["steps"] + 1
-    tok = Path(run["tokenizer"]).name
-    name = f"{run['data']}_{tok}_L{run['max_length']}_B{run['batch_size']}_seed{run['seed']}_n{n}"
-    path = cache / "batches" / f"{name}.jsonl"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(b) + "\n" for b in trainer_batches(run, n)))
-        tmp.replace(path)
-    return str(path)
 
 
 def peer_spawn(compile_dir: Path):
@@ -672,35 +465,6 @@ def launch(run: dict, *, isolate: bool, timeout: float, pool=None, peer_pool=Non
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
         return {"status": "error: " + " | ".join(tail)}
     return json.loads(result_path.read_text())
-
-
-def padding_rows(args, datasets: dict[str, str]) -> list[dict]:
-    """Share of real tokens when B examples are padded to their longest one (data only)."""
-    from hf_varlen.packing import ExampleCountBatchSampler
-    from hf_varlen.training import TrainConfig
-    from hf_varlen.training.data import detect_format, load_records, tokenize
-    from hf_varlen.training.model import load_tokenizer
-
-    rows = []
-    for data, path in datasets.items():
-        for max_length in args.max_lengths:
-            cfg = TrainConfig(tokenizer=args.tokenizer, dataset=path, max_length=max_length)
-            tok = load_tokenizer(cfg)
-            records = load_records(path, cfg)
-            examples = tokenize(records, detect_format(records, cfg, path), tok, cfg)
-            for b in args.batch_sizes:
-                stats = ExampleCountBatchSampler(examples.lengths, b, seed=args.seed).stats
-                rows.append(
-                    dict(
-                        data=data,
-                        max_length=max_length,
-                        batch_size=b,
-                        padded_efficiency=stats.padded_efficiency,
-                        static_efficiency=stats.real_tokens / (len(examples) * max_length),
-                        tokens_per_batch=stats.real_tokens / stats.num_batches,
-                    )
-                )
-    return rows
 
 
 def csv(kind):

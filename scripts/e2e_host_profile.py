@@ -1,5 +1,5 @@
 """The host side of a profiled bench_e2e step: where its Python time goes (cProfile) and where it
-waits for the GPU (torch's sync debug mode). torch.profiler, in bench_e2e.profile_step, sees the
+waits for the GPU (torch's sync debug mode). torch.profiler, in e2e_measure.profile_step, sees the
 ops; these see what lies between them.
 """
 

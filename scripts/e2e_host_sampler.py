@@ -1,6 +1,6 @@
 """Where a profiled bench_e2e step's host wall time goes, from py-spy samples of this process.
 
-torch.profiler (bench_e2e.profile_step) sees ops and cProfile (e2e_host_profile) sees Python
+torch.profiler (e2e_measure.profile_step) sees ops and cProfile (e2e_host_profile) sees Python
 calls, and both slow the host by a cost per event, which falls unevenly on two modes that launch
 different mixes of work. A sampler costs per sample instead, and sees everything the thread does:
 Python frames, native frames below them (a CUDA sync, the garbage collector, the dispatcher), and

@@ -16,6 +16,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 
+import bench_common  # noqa: E402
 import bench_e2e  # noqa: E402
 import e2e_host_profile  # noqa: E402
 
@@ -267,7 +268,7 @@ def test_lora_mode_trains_only_adapters_on_cpu(tmp_path):
 
 
 def test_report_writes_the_gpu_busy_table(tmp_path):
-    """Cells measured on a GPU carry gpu_busy (bench_e2e.gpu_busy); the report tables it per mode
+    """Cells measured on a GPU carry gpu_busy (e2e_measure.gpu_busy); the report tables it per mode
     and batch size, with '-' where a cell has none (a CPU run, an OOM)."""
     import e2e_report
 
@@ -459,7 +460,7 @@ def test_device_time_leaves_out_user_annotations():
     annotation = SimpleNamespace(device_type=cuda, is_user_annotation=True)
     older = SimpleNamespace(device_type=cuda)  # a torch without the attribute
     host = SimpleNamespace(device_type=cpu, is_user_annotation=False)
-    assert [bench_e2e.is_device_kernel(e) for e in (kernel, annotation, older, host)] == [
+    assert [bench_common.is_device_kernel(e) for e in (kernel, annotation, older, host)] == [
         True,
         False,
         True,
