@@ -347,7 +347,7 @@ def parameter_count(model, trainable_only: bool = False) -> int:
         n = p.numel()
         if type(p).__name__ == "Params4bit":
             storage = getattr(p, "quant_storage", torch.uint8)
-            n *= 2 * torch.empty((), dtype=storage).element_size()
+            n *= 2 * storage.itemsize
         total += n
     return total
 

@@ -31,9 +31,9 @@ bookkeeping), several processes (DDP's all-reduce is eager) or ``DataParallel`` 
 activation offloading (host copies), an attention implementation other than ``varlen_packed``
 (padding-free batches on ``sdpa`` / ``flash_attention_2`` derive documents from ``position_ids``
 with host syncs), a hybrid model's installed linear-attention layers (they split the row per
-document from the offsets' values on the host), a batch that is not padding-free, gradient checkpointing with dropout (the
-recompute must restore the RNG state on the host), a forward that synchronises with the host
-(the capture fails; reported with that reason). Gradient checkpointing without dropout is re-
+document from the offsets' values on the host), a batch that is not padding-free, gradient
+checkpointing with dropout (the recompute must restore the RNG state on the host), a forward that
+synchronises with the host (the capture fails; reported with that reason). Gradient checkpointing without dropout is re-
 enabled with ``preserve_rng_state=False`` (nothing random to replay), said once.
 
 Mixed precision (``bf16=True`` over fp32 weights, TRL's default): the captured forward opens its
