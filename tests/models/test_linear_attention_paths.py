@@ -16,8 +16,11 @@ The same selection runs on a GPU with FLA installed (``gpu`` marker): the real k
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import inspect
 import logging
+from unittest import mock
 
 import model_families as mf
 import pytest
@@ -51,7 +54,16 @@ def _refs(family, docs, device="cpu", low=torch.float32):
     refs = []
     for dtype, where in ((torch.float64, "cpu"), (low, device)):
         _, ref = _model(family, "eager", dtype, where)
-        with torch.no_grad():
+        # transformers < 5.25 runs FLA whenever it is installed, also on CPU tensors (where its
+        # Triton kernels cannot run): the CPU pass takes the torch rule itself
+        plain = (
+            mock.patch.object(
+                _modeling_module(family), "torch_chunk_gated_delta_rule", _torch_rule(family)
+            )
+            if where == "cpu"
+            else contextlib.nullcontext()
+        )
+        with plain, torch.no_grad():
             logits = [ref(input_ids=d[None].to(where)).logits[0] for d in docs]
         refs.append(torch.cat(logits).to(device))
     return refs
@@ -63,12 +75,26 @@ def _batch(docs, device="cpu"):
     return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
+def _modeling_module(family):
+    name = {"qwen3_5_text": "qwen3_5"}.get(family, family)
+    return importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+
+
 def _torch_rule(family):
-    """transformers' own torch delta rule of the family (the model's modeling module)."""
-    module = {"qwen3_5_text": "qwen3_5"}.get(family, family)
-    return importlib.import_module(
-        f"transformers.models.{module}.modeling_{module}"
-    ).torch_chunk_gated_delta_rule
+    """transformers' own torch delta rule of the family, without its wrappers: the FLA fallback
+    (``functools.wraps``, so ``__wrapped__``) inside a kernels hub layer (an ``nn.Module`` whose
+    ``forward`` closes over the function it wraps). Fails loudly if that layering changes."""
+    fn = _modeling_module(family).torch_chunk_gated_delta_rule
+    for _ in range(4):
+        if hasattr(fn, "__wrapped__"):
+            fn = fn.__wrapped__
+        elif isinstance(fn, torch.nn.Module):
+            cells = type(fn).forward.__closure__ or ()
+            fn = next(c.cell_contents for c in cells if callable(c.cell_contents))
+        else:
+            break
+    assert inspect.isfunction(fn) and fn.__name__ == "torch_chunk_gated_delta_rule", fn
+    return fn
 
 
 class Recorder:
