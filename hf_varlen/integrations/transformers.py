@@ -272,6 +272,45 @@ def check_model(model: torch.nn.Module) -> None:
         raise ValueError(refusal)
 
 
+def _is_bidirectional(fn, depth: int = 0) -> bool:
+    """Whether a transformers mask function is, or combines (``and_masks`` / ``or_masks`` keep
+    their parts in closures), one of its bidirectional ones (named so: ``bidirectional_mask_
+    function``, ``sliding_window_bidirectional_overlay.<locals>...``)."""
+    if "bidirectional" in getattr(fn, "__qualname__", ""):
+        return True
+    if depth >= 3:
+        return False
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            held = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        parts = held if isinstance(held, (tuple, list)) else (held,)
+        if any(callable(f) and _is_bidirectional(f, depth + 1) for f in parts):
+            return True
+    return False
+
+
+def _check_bidirectional_cross(config, kwargs) -> None:
+    """Raise for a bidirectional mask from queries over keys of another length: attention to
+    another sequence's key/value states (Gemma 4's speculative-decoding assistant attends to its
+    target model's), whose mask varlen_packed cannot build from documents of the queries' row.
+    Checked at every mask call, so a model loaded with varlen_packed is refused at its first
+    forward, not only by check_model."""
+    q_len, kv_len = kwargs.get("q_length"), kwargs.get("kv_length")
+    if q_len is None or kv_len is None or q_len == kv_len:
+        return
+    if not _is_bidirectional(kwargs.get("mask_function")):
+        return
+    raise ValueError(
+        f"attn_implementation='varlen_packed' cannot serve {_model_name(config)}: it builds a "
+        f"bidirectional mask from {q_len} queries over {kv_len} keys of another sequence (e.g. "
+        "a speculative-decoding assistant attending to its target model's key/value states), "
+        "not causally over documents of its own row. Load it with attn_implementation='sdpa' "
+        "or 'eager'"
+    )
+
+
 class _LastMaskCall(threading.local):
     """What the last mask call of this thread saw, for the attention function of the same forward.
 
@@ -550,6 +589,7 @@ def varlen_packed_mask(*args, **kwargs):
         if config is not None:
             _check_config(config)
             _check_config_fields(config)
+        _check_bidirectional_cross(config, kwargs)
         _remember_mask_call(kwargs)
     mask = flash_attention_mask(*args, **kwargs)
     if mask is None:

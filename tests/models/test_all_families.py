@@ -20,6 +20,7 @@ import model_families as mf
 import pytest
 import torch
 
+from hf_varlen.integrations import transformers as hf_transformers
 from hf_varlen.testing import numerics_error
 
 PAGE = pathlib.Path(__file__).resolve().parents[2] / "docs" / "models.md"
@@ -64,8 +65,9 @@ def test_page_matches_every_outcome():
     assert PAGE.read_text(encoding="utf-8") == text, "regenerate with scripts/models_table.py"
 
 
-def test_assistant_refusal_is_needed():
-    """Gemma 4's speculative-decoding assistant (refused by its forward's shared_kv_states): run
+def test_assistant_refusal_is_needed(monkeypatch):
+    """Gemma 4's speculative-decoding assistant is refused at check_model (its forward takes
+    shared_kv_states) and at its first forward (a bidirectional mask over the target's keys); run
     anyway, varlen_packed is not its eager self (its masks over the target's KV states are 4-D,
     the sliding one flipped), so the refusal must stay until that changes."""
     cfg = mf.tiny_config("gemma4_assistant")
@@ -90,6 +92,11 @@ def test_assistant_refusal_is_needed():
             )
         return out.logits
 
+    with pytest.raises(ValueError, match="bidirectional mask from 2 queries over 9 keys"):
+        logits(mf.ATTN, torch.float32)
+    with pytest.raises(ValueError, match="speculative-decoding assistant"):
+        hf_transformers.check_model(mf._build(cfg, mf.ATTN, torch.float32))
     hi, lo = logits("eager", torch.float64), logits("eager", torch.float32)
+    monkeypatch.setattr(hf_transformers, "_check_bidirectional_cross", lambda *a: None)
     ok, _ = numerics_error(logits(mf.ATTN, torch.float32), hi, lo)
     assert not ok, "varlen_packed now matches eager for the Gemma 4 assistant: lift its refusal"
