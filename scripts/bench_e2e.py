@@ -61,8 +61,9 @@ Metrics per run, over the steps after ``--warmup`` that neither compiled nor cap
 (graph modes capture each new bucket shape the first time it comes, possibly after the warm-up;
 such steps are counted in the cell and their excess time goes to the compile time): real tokens/s,
 peak GiB (``max_memory_allocated``), MFU = model FLOPs incl. attention / ``--peak-tflops`` (790 on
-the H200, as measured), the padding share of the tensors, and the per-step loss. Loss equality: each mode's
-per-step losses against ``padded_sdpa`` (same examples, same order). ``--repeats R`` runs every
+the H200, as measured; elsewhere the GPU's dense bf16 spec peak), the padding share of the
+tensors, and the per-step loss. Loss equality: each mode's per-step losses against
+``padded_sdpa`` (same examples, same order). ``--repeats R`` runs every
 cell R times, interleaved across the modes of a batch size in alternating order (A B, B A, ...),
 and the tables show the run of median tokens/s with the range: host-bound cells (batch 8 on the
 1B shape) swing by 20-45% between runs of the same commit, so a single run per cell cannot rank
@@ -239,6 +240,21 @@ def liger_hook(model) -> None:
 
 # --------------------------------------------------------------------------------------------- #
 # One configuration (runs inside its own process).
+
+
+def default_peak_tflops(cuda: bool) -> float | None:
+    """MFU's denominator: the matmul peak measured on our H200 there; on another GPU its dense
+    bf16 spec peak (hf-varlen train's table), so an H100's MFU is not divided by the H200's."""
+    if not cuda:
+        return None
+    import torch
+
+    from hf_varlen.training.metrics import peak_flops
+
+    if "H200" in torch.cuda.get_device_name():
+        return PEAK_TFLOPS_H200
+    flops = peak_flops(torch.device("cuda"), None)
+    return flops / 1e12 if flops else None
 
 
 def mode_unavailable(mode: str, device: str) -> str | None:
@@ -490,7 +506,12 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--precision", default=None, help="default: bf16 on CUDA, fp32 on CPU")
-    p.add_argument("--peak-tflops", type=float, default=None, help="default: 790 on CUDA")
+    p.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help="default: 790 on an H200 (measured), else the GPU's spec peak",
+    )
     p.add_argument("--tokenizer", default=str(SHARED / "tokenizers" / "qwen2"))
     p.add_argument("--alpaca", default=str(SHARED / "alpaca" / "alpaca_5000.json"))
     p.add_argument("--lima", default=str(SHARED / "lima" / "lima.json"))
@@ -632,9 +653,7 @@ def main(argv=None) -> list[dict]:
 
     cuda = torch.cuda.is_available()
     precision = args.precision or ("bf16" if cuda else "fp32")
-    peak = (
-        args.peak_tflops if args.peak_tflops is not None else (PEAK_TFLOPS_H200 if cuda else None)
-    )
+    peak = args.peak_tflops if args.peak_tflops is not None else default_peak_tflops(cuda)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     header = run_header(

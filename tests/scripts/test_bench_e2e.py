@@ -466,3 +466,18 @@ def test_device_time_leaves_out_user_annotations():
         True,
         False,
     ]
+
+
+@pytest.mark.parametrize(
+    "name, peak",
+    [
+        ("NVIDIA H200", bench_e2e.PEAK_TFLOPS_H200),
+        ("NVIDIA H100 80GB HBM3", 989.0),
+        ("Tesla T4", None),
+    ],
+)
+def test_mfu_peak_follows_the_gpu(monkeypatch, name, peak):
+    """The measured H200 peak only on an H200; elsewhere the GPU's spec peak, or no MFU."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: name)
+    assert bench_e2e.default_peak_tflops(cuda=True) == peak
+    assert bench_e2e.default_peak_tflops(cuda=False) is None
