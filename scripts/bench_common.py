@@ -11,6 +11,7 @@ import math
 import os
 import re
 import subprocess
+import time
 from pathlib import Path
 
 import torch
@@ -90,6 +91,26 @@ def attention_kernels(prof, top: int = 6) -> list[tuple[str, int, float]]:
         if is_device_kernel(e) and ATTENTION_KERNEL.search(e.key)
     ]
     return sorted(rows, key=lambda r: -r[2])[:top]
+
+
+def busy_share(step) -> dict:
+    """Run ``step()`` (one training step) under a CUDA-only profiler trace (no CPU op tracing,
+    which would slow the host): device kernel time over the step's wall time (``gpu_busy``), that
+    wall time, and the attention kernels it ran. Kernels on several streams could overlap and
+    count twice; a training step uses one."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    return {
+        "gpu_busy": device_kernel_seconds(prof) / wall,
+        "busy_step_ms": 1e3 * wall,
+        "attention_kernels": attention_kernels(prof),
+    }
 
 
 def time_ms(fn, *, min_runs: int = 10, min_total_ms: float = 60.0) -> float:

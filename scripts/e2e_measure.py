@@ -6,31 +6,33 @@ compiled cells recompiled, and the trainer's per-step records."""
 from __future__ import annotations
 
 import re
-import time
+
+PEAK_TFLOPS_H200 = 790.0  # dense bf16 matmul peak as measured on our H200
+
+
+def default_peak_tflops(cuda: bool) -> float | None:
+    """MFU's denominator: the matmul peak measured on our H200 there; on another GPU its dense
+    bf16 spec peak (hf-varlen train's table), so an H100's MFU is not divided by the H200's."""
+    if not cuda:
+        return None
+    import torch
+
+    from hf_varlen.training.metrics import peak_flops
+
+    if "H200" in torch.cuda.get_device_name():
+        return PEAK_TFLOPS_H200
+    flops = peak_flops(torch.device("cuda"), None)
+    return flops / 1e12 if flops else None
 
 
 def gpu_busy(trainer) -> dict:
     """How busy the GPU is during one more training step (after the timed ones, so compiled and
-    graph-captured modes are warm): device kernel time over the step's wall time, from a
-    CUDA-only profiler trace (no CPU op tracing, which would slow the host and flatter nothing).
-    Kernels on several streams could overlap and count twice; the training step uses one. The
-    same trace names the attention kernels the step ran (the peers report theirs alike)."""
-    import torch
-    from bench_common import attention_kernels, device_kernel_seconds
-    from torch.profiler import ProfilerActivity, profile
+    graph-captured modes are warm), and the attention kernels that step ran (bench_common's
+    ``busy_share``, which the peers use alike)."""
+    from bench_common import busy_share
 
     slot = list(trainer.sampler)[0]
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        t0 = time.perf_counter()
-        trainer.train_step([slot])
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
-    return {
-        "gpu_busy": device_kernel_seconds(prof) / wall,
-        "busy_step_ms": 1e3 * wall,
-        "attention_kernels": attention_kernels(prof),
-    }
+    return busy_share(lambda: trainer.train_step([slot]))
 
 
 def recompile_reasons() -> list[str]:

@@ -143,26 +143,14 @@ class StepClock:
 
 
 def profiled(fn, cuda: bool) -> dict:
-    """Run ``fn`` (one training step) under a CUDA-only profiler: the GPU-busy share and the
-    attention kernels that ran (bench_common)."""
+    """Run ``fn`` (one training step), on CUDA under bench_common's ``busy_share``: the GPU-busy
+    share and the attention kernels that ran."""
     if not cuda:
         fn()
         return {}
-    import torch
-    from bench_common import attention_kernels, device_kernel_seconds
-    from torch.profiler import ProfilerActivity, profile
+    from bench_common import busy_share
 
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
-    return {
-        "gpu_busy": device_kernel_seconds(prof) / wall,
-        "busy_step_ms": 1e3 * wall,
-        "attention_kernels": attention_kernels(prof),
-    }
+    return busy_share(fn)
 
 
 def summarize(run: dict, batches, times: list[float], losses: list[float], extra: dict) -> dict:

@@ -358,7 +358,7 @@ peers)  # one batch size per call: our modes and the peers' of one kind, one inv
     kind=${HF_VARLEN_PEER_KIND:-full}
     case "$kind" in
     full | lora | qlora) modes=$(python3 -c "import sys; sys.path.insert(0, 'scripts')
-import bench_e2e; print(bench_e2e.PEER_${kind^^}_MODES)") ;;
+import e2e_modes; print(e2e_modes.PEER_${kind^^}_MODES)") ;;
     *) echo "HF_VARLEN_PEER_KIND=$kind: full, lora or qlora" >&2; exit 2 ;;
     esac
     for site in unsloth trl; do  # a site not installed: its peers report "skipped: ... not installed"

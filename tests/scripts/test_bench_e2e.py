@@ -19,6 +19,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import bench_common  # noqa: E402
 import bench_e2e  # noqa: E402
 import e2e_host_profile  # noqa: E402
+import e2e_measure  # noqa: E402
+import e2e_modes  # noqa: E402
 
 COMMON = ["--models", "tiny-llama", "--data", "builtin", "--tokenizer", "bytes"]
 COMMON += ["--max-lengths", "256", "--steps", "4", "--warmup", "1"]
@@ -216,8 +218,8 @@ def test_compile_modes_configuration():
     assert bench_e2e.mode_unavailable("minimal_varlen-compile", "cpu") == (
         "torch varlen_attn needs CUDA"
     )
-    args = bench_e2e.parse_args(["--modes", bench_e2e.COMPILE_MODES])
-    assert args.modes == bench_e2e.COMPILE_MODES.split(",") and args.compile_backend == "inductor"
+    args = bench_e2e.parse_args(["--modes", e2e_modes.COMPILE_MODES])
+    assert args.modes == e2e_modes.COMPILE_MODES.split(",") and args.compile_backend == "inductor"
     graphs = bench_e2e.train_config({**run, "mode": "hf_varlen-graphs"}, "cuda")
     assert graphs.cuda_graphs == "on" and graphs.static_shapes and not graphs.compile
     assert bench_e2e.train_config({**run, "mode": "hf_varlen-graphs"}, "cpu").cuda_graphs == "auto"
@@ -471,7 +473,7 @@ def test_device_time_leaves_out_user_annotations():
 @pytest.mark.parametrize(
     "name, peak",
     [
-        ("NVIDIA H200", bench_e2e.PEAK_TFLOPS_H200),
+        ("NVIDIA H200", e2e_measure.PEAK_TFLOPS_H200),
         ("NVIDIA H100 80GB HBM3", 989.0),
         ("Tesla T4", None),
     ],
@@ -479,5 +481,5 @@ def test_device_time_leaves_out_user_annotations():
 def test_mfu_peak_follows_the_gpu(monkeypatch, name, peak):
     """The measured H200 peak only on an H200; elsewhere the GPU's spec peak, or no MFU."""
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: name)
-    assert bench_e2e.default_peak_tflops(cuda=True) == peak
-    assert bench_e2e.default_peak_tflops(cuda=False) is None
+    assert e2e_measure.default_peak_tflops(cuda=True) == peak
+    assert e2e_measure.default_peak_tflops(cuda=False) is None

@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import bench_e2e  # noqa: E402
+import e2e_modes  # noqa: E402
 import e2e_peers  # noqa: E402
 import e2e_report  # noqa: E402
 
@@ -62,7 +63,7 @@ def test_every_peer_runs_its_own_worker_script(tmp_path):
     assert (tmp_path / "unsloth").is_dir()  # writable, made before the worker starts
     for name in e2e_peers.PEERS:  # each a bench_e2e mode of its own
         assert bench_e2e.MODES[name] == {"peer": name}
-    args = bench_e2e.parse_args(["--modes", bench_e2e.PEER_FULL_MODES])
+    args = bench_e2e.parse_args(["--modes", e2e_modes.PEER_FULL_MODES])
     assert {"unsloth", "trl-sdpa", "trl-liger", "hf_varlen"} <= set(args.modes)
     with pytest.raises(SystemExit):  # peers carry their own GPU-busy / attention, no profile
         bench_e2e.parse_args(["--profile", "--profile-modes", "unsloth"])
@@ -117,7 +118,7 @@ def test_sft_settings_pin_every_default_unsloth_changes(tmp_path):
     from hf_varlen.training import TrainConfig
 
     ours = TrainConfig()  # the --lora settings bench_e2e's LoRA modes train with (r 16)
-    assert e2e_peers.LORA["r"] == bench_e2e.LORA["lora_r"] == 16
+    assert e2e_peers.LORA["r"] == e2e_modes.LORA["lora_r"] == 16
     assert e2e_peers.LORA["lora_alpha"] == ours.lora_alpha and ours.lora_target == "all-linear"
     assert e2e_peers.LORA["lora_dropout"] == ours.lora_dropout
     pytest.importorskip("trl")
