@@ -33,8 +33,9 @@ activation offloading (host copies), an attention implementation other than ``va
 with host syncs), a hybrid model's installed linear-attention layers (they split the row per
 document from the offsets' values on the host), a batch that is not padding-free, gradient
 checkpointing with dropout (the recompute must restore the RNG state on the host), a forward that
-synchronises with the host (the capture fails; reported with that reason). Gradient checkpointing without dropout is re-
-enabled with ``preserve_rng_state=False`` (nothing random to replay), said once.
+synchronises with the host (the capture fails; reported with that reason). Gradient checkpointing
+without dropout is re-enabled with ``preserve_rng_state=False`` (nothing random to replay), said
+once.
 
 Mixed precision (``bf16=True`` over fp32 weights, TRL's default): the captured forward opens its
 own autocast region with the weight-cast cache off (``captured_step/graphs.py`` explains why).
