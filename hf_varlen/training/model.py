@@ -197,13 +197,15 @@ def build_model(cfg: ModelOptions, tokenizer, precision: str, device: torch.devi
             "eos_token_id": tokenizer.eos_token_id,
             "bos_token_id": tokenizer.bos_token_id,
         }
-        config = AutoConfig.for_model(model_type, **{**shape, "vocab_size": vocab, **special})
-        for key, value in overrides.items():
+        fields = {**shape, "vocab_size": vocab, **special}
+        config = AutoConfig.for_model(model_type, **fields)
+        for key in overrides:
             if not hasattr(config, key):
                 raise ValueError(
                     f"--config-overrides: {key!r} is not a field of {type(config).__name__}"
                 )
-            setattr(config, key, value)
+        if overrides:  # built again, not patched: fields derived at init (layer_types) follow
+            config = AutoConfig.for_model(model_type, **{**fields, **overrides})
         config.use_cache = False
         with torch.device(device or "cpu"):
             model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype)
@@ -225,12 +227,17 @@ def build_model(cfg: ModelOptions, tokenizer, precision: str, device: torch.devi
     else:
         source, local = local_or_hub("--model", cfg.model)
         extra = {} if local else hub_access("--model", source)
+        if overrides:  # the config settled before any layer is built from it
+            with hub_answers("--model", source):
+                config = AutoConfig.from_pretrained(source, **extra, **overrides)
+            cut_layer_types(config, overrides)
+            extra["config"] = config
         if cfg.load_in_4bit:
             extra.update(quantization_kwargs(device or torch.device("cpu")))
         try:
             with hub_answers("--model", source):
                 model = AutoModelForCausalLM.from_pretrained(
-                    source, attn_implementation=attn, dtype=dtype, **extra, **overrides
+                    source, attn_implementation=attn, dtype=dtype, **extra
                 )
         except ValueError as exc:
             if "attn_implementation" in str(exc):
@@ -247,6 +254,25 @@ def build_model(cfg: ModelOptions, tokenizer, precision: str, device: torch.devi
             )
     check_attention(model, attn, cfg.model)
     return model
+
+
+def cut_layer_types(config, overrides: dict[str, Any]) -> None:
+    """Keep a loaded config's ``layer_types`` (one entry per layer: full / sliding / linear
+    attention) as long as ``num_hidden_layers`` when an override cut the layers: transformers builds
+    layer i from entry i, so the first N entries are the layers kept, and its config validation
+    refuses to save a list of another length. An explicit ``layer_types`` override is left as
+    written; more layers than types is refused (which type would they be?)."""
+    layers = overrides.get("num_hidden_layers")
+    types = getattr(config, "layer_types", None)
+    if layers is None or "layer_types" in overrides or not isinstance(types, list | tuple):
+        return
+    if len(types) > layers:
+        config.layer_types = list(types[:layers])
+    elif len(types) < layers:
+        raise ValueError(
+            f"--config-overrides: num_hidden_layers={layers} is more than the "
+            f"{len(types)} layer types of {type(config).__name__}; also give layer_types"
+        )
 
 
 def check_attention(model, attn: str, name: str) -> None:

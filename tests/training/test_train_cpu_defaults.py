@@ -96,6 +96,37 @@ def test_hidden_size_override_keeps_the_wide_embedding():
     assert model.config.hidden_size == 128
 
 
+@pytest.mark.parametrize("layers", [2, 6])
+def test_layer_count_override_keeps_the_layer_types_and_saves(tmp_path, layers):
+    """Presets are built with the override, so per-layer fields derived at init (layer_types) have
+    one entry per layer; a patched config would fail transformers' validation on save."""
+    cfg = TrainConfig(model="tiny-qwen3", config_overrides=f"num_hidden_layers={layers}")
+    model = build_model(cfg, _tokenizer(), "fp32")
+    assert model.config.num_hidden_layers == len(model.config.layer_types) == layers
+    model.save_pretrained(tmp_path / "saved")  # validates the config
+
+
+def test_layer_count_override_of_a_checkpoint_cuts_its_layer_types(tmp_path):
+    """A loaded model keeps its first N layer types (the layers built); more layers than the
+    checkpoint lists types for is refused naming layer_types."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    types = ["sliding_attention", "full_attention"] * 2
+    config = AutoConfig.for_model(
+        "qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=320, layer_types=types, sliding_window=64,
+        use_sliding_window=True,
+    )
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "ckpt")
+    cfg = TrainConfig(model=str(tmp_path / "ckpt"), config_overrides="num_hidden_layers=3")
+    model = build_model(cfg, _tokenizer(), "fp32")
+    assert model.config.layer_types == types[:3]
+    model.save_pretrained(tmp_path / "cut")
+    cfg = TrainConfig(model=str(tmp_path / "ckpt"), config_overrides="num_hidden_layers=6")
+    with pytest.raises(ValueError, match="num_hidden_layers=6 is more than the 4 layer types"):
+        build_model(cfg, _tokenizer(), "fp32")
+
+
 def test_explicit_fused_loss_that_cannot_be_installed_is_an_error(monkeypatch, tmp_path):
     """--fused-loss on is an explicit request: when the fused loss cannot be installed the run
     stops naming why (auto only warns and says so in the summary)."""
