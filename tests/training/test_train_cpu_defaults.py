@@ -113,8 +113,16 @@ def test_layer_count_override_of_a_checkpoint_cuts_its_layer_types(tmp_path):
 
     types = ["sliding_attention", "full_attention"] * 2
     config = AutoConfig.for_model(
-        "qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, vocab_size=320, layer_types=types, sliding_window=64,
+        "qwen3",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=320,
+        layer_types=types,
+        sliding_window=64,
         use_sliding_window=True,
     )
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "ckpt")
