@@ -23,8 +23,10 @@ cross-entropy is TRL's in every cell but varlen_fusedce; the ``ce`` stage times 
 ``fused_linear_cross_entropy`` on one (tokens, hidden) x (vocab, hidden) problem, forward+backward.
 
 Metrics per cell, over the steps after ``--warmup``: real tokens/s (input tokens of the packed
-batch; padding-free batches hold no padding), peak GiB (``max_memory_allocated``), first/last loss,
-which LM head ran.
+batch; padding-free batches hold no padding) over the steps that captured no new CUDA graph (the
+captured step's steady state), and over all of them (what a run this short sees; the capture cost
+is also in ``step.capture_s``), peak GiB (``max_memory_allocated``), first/last loss, which LM head
+ran.
 
     python scripts/bench_trl.py --tokenizer ../shared/data/tokenizers/qwen2 \
         --dataset ../shared/data/alpaca/alpaca_5000.json --out runs/trl
@@ -113,17 +115,27 @@ def run_cell(args) -> dict:
     tokens: list[int] = []
 
     class Timer(TrainerCallback):
+        """Per-step wall time, and whether the step captured a new CUDA graph (a batch shape
+        first seen then): those steps are the captured step's one-time cost, kept apart."""
+
         def __init__(self):
             self.times: list[float] = []
+            self.captured: list[bool] = []
             self._t0 = 0.0
+            self._graphs = 0
+
+        def _graph_count(self) -> int:
+            return int(trainer.captured_step_summary().get("graphs") or 0) if fused else 0
 
         def on_step_begin(self, *a, **k):
             sync()
+            self._graphs = self._graph_count()
             self._t0 = time.perf_counter()
 
         def on_step_end(self, *a, **k):
             sync()
             self.times.append(time.perf_counter() - self._t0)
+            self.captured.append(self._graph_count() > self._graphs)
 
     extra = dict(use_liger_kernel=True) if args.mode == "liger" else {}
     trainer = make_trainer(
@@ -156,14 +168,21 @@ def run_cell(args) -> dict:
         torch.cuda.reset_peak_memory_stats()
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    timed = timer.times[args.warmup :]
-    real = tokens[args.warmup : args.warmup + len(timed)]
+    # One record per optimizer step (per_device batch, no accumulation): time, real tokens, and
+    # whether it captured. Steady state leaves out the capturing steps; the run as a whole, what
+    # a run this short would see, keeps them.
+    steps = list(zip(timer.times, tokens, timer.captured, strict=False))[args.warmup :]
+    steady = [(t, n) for t, n, cap in steps if not cap] or [(t, n) for t, n, _ in steps]
+    whole_s, whole_tokens = sum(t for t, *_ in steps), sum(n for _, n, _ in steps)
+    steady_s, steady_tokens = sum(t for t, _ in steady), sum(n for _, n in steady)
     return {
         "mode": args.mode,
         "strategy": args.strategy,
-        "tokens_per_s": sum(real) / sum(timed) if timed else None,
-        "tokens_per_step": sum(real) / len(real) if real else None,
-        "step_ms": 1e3 * sum(timed) / len(timed) if timed else None,
+        "tokens_per_s": steady_tokens / steady_s if steady else None,
+        "tokens_per_s_with_captures": whole_tokens / whole_s if steps else None,
+        "capture_steps": len(steps) - len(steady),
+        "tokens_per_step": steady_tokens / len(steady) if steady else None,
+        "step_ms": 1e3 * steady_s / len(steady) if steady else None,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
         "loss_first": losses[0] if losses else None,
         "loss_last": losses[-1] if losses else None,
@@ -222,22 +241,30 @@ def run_ce(args) -> dict:
     return {"tokens": n, "hidden": hidden, "vocab": vocab, "rows": rows}
 
 
+def _with_captures(r: dict) -> str:
+    """The whole timed run's tokens/s where some of its steps captured a graph, else "="."""
+    if not r.get("capture_steps"):
+        return "="
+    return f"{r['tokens_per_s_with_captures']:,.0f} ({r['capture_steps']} capture steps)"
+
+
 def table(results: list[dict], ce: dict | None, header: dict) -> str:
     lines = [
         "Run: " + ", ".join(f"{k} {v}" for k, v in header.items()),
         "",
-        "| strategy | mode | attn | real tokens/s | tokens/step | step ms | peak GiB | loss first -> last | LM head |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| strategy | mode | attn | real tokens/s | with capture steps | tokens/step | step ms "
+        "| peak GiB | loss first -> last | LM head |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         if "error" in r:
             lines.append(
-                f"| {r['strategy']} | {r['mode']} | - | failed: {r['error'][:80]} |  |  |  |  |  |"
+                f"| {r['strategy']} | {r['mode']} | - | failed: {r['error'][:80]} |  |  |  |  |  |  |"
             )
             continue
         lines.append(
             f"| {r['strategy']} | {r['mode']} | {r['attn']} | {r['tokens_per_s']:,.0f} | "
-            f"{r['tokens_per_step']:,.0f} | {r['step_ms']:.1f} | {r['peak_gib']:.1f} | "
+            f"{_with_captures(r)} | {r['tokens_per_step']:,.0f} | {r['step_ms']:.1f} | {r['peak_gib']:.1f} | "
             f"{r['loss_first']:.3f} -> {r['loss_last']:.3f} | {r['lm_head']} |"
         )
     if ce:
