@@ -15,7 +15,10 @@ Alpaca's documents average ~300 tokens, so the crossover sits around 8-10K real 
 micro-batch: below ``CROSSOVER_REAL_TOKENS`` the captured step wins, above it eager + fused kernels
 does. Not measured separately: LoRA (a third of the device work per token, so the host share is
 larger and the crossover likely higher; the same threshold is used, conservatively) and other
-model sizes.
+model sizes. Under TRL's defaults (fp32 weights, bf16 autocast; ``VarlenSFTTrainer``, H100, batch
+8 / 32) a 15-step run whose timed steps still captured new batch shapes ran 0.67x / 0.78x the eager
+step; that is the one-time capture cost inside 10 steps, and the steady state of that setup is not
+yet timed apart (``scripts/bench_trl.py`` now does).
 
 Memory: the captures of 8 batch shapes reserved 21.9 GiB at batch 32 on the 1B model (the graphs'
 private pool keeps each shape's activations). ``capture_bytes`` scales that measurement by
