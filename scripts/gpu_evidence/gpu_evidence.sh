@@ -26,6 +26,7 @@
 #   gpu_evidence.sh e2e       OUT_DIR   # bench_e2e: 1B table + step profiles
 #   gpu_evidence.sh train     OUT_DIR   # hf-varlen train: packed vs padded vs accelerate
 #   gpu_evidence.sh trl       OUT_DIR   # bench_trl: TRL SFTTrainer, bf16, 1B shape
+#                     (HF_VARLEN_TRL=captured: the captured step vs eager, batch 8 and 32)
 #   gpu_evidence.sh baseline  OUT_DIR   # attention/rope timings, .baseline/ vs this tree
 #   gpu_evidence.sh compile   OUT_DIR   # bench_e2e: compiled vs eager at one batch size
 #                     (HF_VARLEN_BATCH_SIZES, default 32; HF_VARLEN_COMPILE_MODES;
@@ -266,9 +267,20 @@ train)
     step train_accelerate 180 accelerate launch --num_processes 1 -m hf_varlen.cli train \
         "${common[@]}" --output-dir "$out/accelerate"
     ;;
-trl)
-    step bench_trl 560 python3 scripts/bench_trl.py --tokenizer "$data/qwen2" \
-        --dataset "$data/alpaca_5000.json" --out "$out/trl" --steps 15 --warmup 5 --timeout 120
+trl)  # HF_VARLEN_TRL=captured: the captured step under TRL's defaults against its eager step
+    # and TRL's own paths, padding_free at batch 8 and 32 (30 steps, so that steps capturing no new
+    # shape remain); otherwise every mode and strategy at batch 32
+    if [ "${HF_VARLEN_TRL:-}" = captured ]; then
+        for b in 8 32; do
+            step "bench_trl_captured_B$b" 280 python3 scripts/bench_trl.py --tokenizer "$data/qwen2" \
+                --dataset "$data/alpaca_5000.json" --out "$out/trl_captured_B$b" --batch-size "$b" \
+                --strategies padding_free --skip-ce --steps 30 --warmup 5 --timeout 120 \
+                --modes varlen_auto,varlen_captured,varlen_fusedce,varlen_kernelize,sdpa,liger
+        done
+    else
+        step bench_trl 560 python3 scripts/bench_trl.py --tokenizer "$data/qwen2" \
+            --dataset "$data/alpaca_5000.json" --out "$out/trl" --steps 15 --warmup 5 --timeout 120
+    fi
     ;;
 baseline)  # HF_VARLEN_BASELINE="attn" runs only the attention comparison (default: attn rope);
     # HF_VARLEN_ATTN_CASES: a comma list of bench_attention's cases (default: all of them);
