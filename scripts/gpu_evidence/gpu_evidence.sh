@@ -30,6 +30,7 @@
 #   gpu_evidence.sh baseline  OUT_DIR   # attention/rope timings, .baseline/ vs this tree
 #   gpu_evidence.sh compile   OUT_DIR   # bench_e2e: compiled vs eager at one batch size
 #                     (HF_VARLEN_BATCH_SIZES, default 32; HF_VARLEN_COMPILE_MODES;
+#                      HF_VARLEN_DATA, HF_VARLEN_MAX_LENGTH as for peers;
 #                      HF_VARLEN_REPEATS interleaved runs per cell, default 1; a
 #                      1B-shape compile cell takes 85-200 s on the H200, a repeat
 #                      ~45 s from Inductor's cache)
@@ -316,6 +317,7 @@ compile)  # one batch size per call: the four B32 cells took 434 s (two 1B-shape
     step bench_e2e_compile "${HF_VARLEN_STEP_TIMEOUT:-560}" python3 scripts/bench_e2e.py \
         --out "$out/compile" --plots-dir "$out/compile" --tokenizer "$data/qwen2" \
         --alpaca "$data/alpaca_5000.json" --lima "$data/lima.json" --modes "$modes" \
+        --data "${HF_VARLEN_DATA:-alpaca}" --max-lengths "${HF_VARLEN_MAX_LENGTH:-1024}" \
         --batch-sizes "$batches" --repeats "${HF_VARLEN_REPEATS:-1}" \
         --steps 40 --warmup 5 --timeout 240 "${profile[@]}"
     ;;
