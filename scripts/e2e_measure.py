@@ -72,11 +72,15 @@ def profile_step(trainer, run: dict) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     slots = list(trainer.sampler)
-    for group in ([s] for s in slots[: run["warmup"]]):
+    # The profiled batch runs once unprofiled first: a captured step captures each batch shape the
+    # first time it sees it (warm-up passes + capture) and a compiled one may recompile, and
+    # neither belongs in the step's profile.
+    profiled = slots[run["warmup"]]
+    for group in ([s] for s in [*slots[: run["warmup"]], profiled]):
         trainer.train_step(group)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=acts) as prof:
-        counts = trainer.train_step([slots[run["warmup"]]])
+        counts = trainer.train_step([profiled])
     on_gpu = torch.cuda.is_available()
     by_cat: dict[str, float] = {}
     kernels = []
