@@ -229,8 +229,15 @@ def build_model(cfg: ModelOptions, tokenizer, precision: str, device: torch.devi
         extra = {} if local else hub_access("--model", source)
         if overrides:  # the config settled before any layer is built from it
             with hub_answers("--model", source):
-                config = AutoConfig.from_pretrained(source, **extra, **overrides)
-            cut_layer_types(config, overrides)
+                config, unused = AutoConfig.from_pretrained(
+                    source, return_unused_kwargs=True, **extra, **overrides
+                )
+            unknown = sorted(set(unused) & set(overrides))
+            if unknown:  # from_pretrained would drop them without a word
+                raise ValueError(
+                    f"--config-overrides: {unknown[0]!r} is not a field of {type(config).__name__}"
+                )
+            _cut_layer_types(config, overrides)
             extra["config"] = config
         if cfg.load_in_4bit:
             extra.update(quantization_kwargs(device or torch.device("cpu")))
@@ -256,7 +263,7 @@ def build_model(cfg: ModelOptions, tokenizer, precision: str, device: torch.devi
     return model
 
 
-def cut_layer_types(config, overrides: dict[str, Any]) -> None:
+def _cut_layer_types(config, overrides: dict[str, Any]) -> None:
     """Keep a loaded config's ``layer_types`` (one entry per layer: full / sliding / linear
     attention) as long as ``num_hidden_layers`` when an override cut the layers: transformers builds
     layer i from entry i, so the first N entries are the layers kept, and its config validation

@@ -133,6 +133,9 @@ def test_layer_count_override_of_a_checkpoint_cuts_its_layer_types(tmp_path):
     cfg = TrainConfig(model=str(tmp_path / "ckpt"), config_overrides="num_hidden_layers=6")
     with pytest.raises(ValueError, match="num_hidden_layers=6 is more than the 4 layer types"):
         build_model(cfg, _tokenizer(), "fp32")
+    cfg = TrainConfig(model=str(tmp_path / "ckpt"), config_overrides="num_hiden_layers=3")
+    with pytest.raises(ValueError, match="'num_hiden_layers' is not a field of Qwen3Config"):
+        build_model(cfg, _tokenizer(), "fp32")
 
 
 def test_explicit_fused_loss_that_cannot_be_installed_is_an_error(monkeypatch, tmp_path):
