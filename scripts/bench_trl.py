@@ -171,8 +171,9 @@ def run_cell(args) -> dict:
     # One record per optimizer step (per_device batch, no accumulation): time, real tokens, and
     # whether it captured. Steady state leaves out the capturing steps; the run as a whole, what
     # a run this short would see, keeps them.
+    # With no step free of captures there is no steady state to report (None, shown as "-").
     steps = list(zip(timer.times, tokens, timer.captured, strict=False))[args.warmup :]
-    steady = [(t, n) for t, n, cap in steps if not cap] or [(t, n) for t, n, _ in steps]
+    steady = [(t, n) for t, n, cap in steps if not cap]
     whole_s, whole_tokens = sum(t for t, *_ in steps), sum(n for _, n, _ in steps)
     steady_s, steady_tokens = sum(t for t, _ in steady), sum(n for _, n in steady)
     return {
@@ -262,9 +263,15 @@ def table(results: list[dict], ce: dict | None, header: dict) -> str:
                 f"| {r['strategy']} | {r['mode']} | - | failed: {r['error'][:80]} |  |  |  |  |  |  |"
             )
             continue
+        steady = r["tokens_per_s"] is not None
+        rate, per_step, step_ms = (
+            (f"{r['tokens_per_s']:,.0f}", f"{r['tokens_per_step']:,.0f}", f"{r['step_ms']:.1f}")
+            if steady
+            else ("-", "-", "-")
+        )
         lines.append(
-            f"| {r['strategy']} | {r['mode']} | {r['attn']} | {r['tokens_per_s']:,.0f} | "
-            f"{_with_captures(r)} | {r['tokens_per_step']:,.0f} | {r['step_ms']:.1f} | {r['peak_gib']:.1f} | "
+            f"| {r['strategy']} | {r['mode']} | {r['attn']} | {rate} | {_with_captures(r)} | "
+            f"{per_step} | {step_ms} | {r['peak_gib']:.1f} | "
             f"{r['loss_first']:.3f} -> {r['loss_last']:.3f} | {r['lm_head']} |"
         )
     if ce:
