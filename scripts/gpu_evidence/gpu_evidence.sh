@@ -126,6 +126,22 @@ elif [ -z "${HF_VARLEN_SHARED_DATA:-}" ]; then  # skipped tests would pass unnot
     echo "note: $data not carried and HF_VARLEN_SHARED_DATA unset: the tests that need the" \
         "shared data skip, the e2e / train stages fail (carry $data)" >&2
 fi
+# bench_e2e's saved models (a 1B model is ~2.4 GB) and prepared batches stay on the machine for
+# the next call, never under OUT_DIR: the machine returns no file of that size
+e2e_cache=(--model-cache /tmp/hf_varlen_e2e)
+
+own_bitsandbytes() {  # our QLoRA modes and big_memory tests need bitsandbytes in /tmp/site; its
+    # wheel travels with the peers' (.gpu-wheels/peers/part*), not with base
+    python3 -c "import bitsandbytes" 2>/dev/null && return 0
+    local w
+    w=$(ls .gpu-wheels/peers/part*/bitsandbytes-*.whl .gpu-wheels/base/bitsandbytes-*.whl \
+        2>/dev/null | head -n 1)
+    if [ -z "$w" ]; then
+        echo "note: no bitsandbytes wheel carried: QLoRA modes skip (carry .gpu-wheels/peers)" >&2
+        return 0
+    fi
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$w"
+}
 
 step() {  # step NAME SECONDS CMD...: run with a timeout, log to OUT_DIR/NAME.log, print the tail
     local name=$1 secs=$2
@@ -255,7 +271,7 @@ PY
         tests/backends/test_compile_attention.py tests/backends/test_cuda_graph_capture.py
     ;;
 e2e)
-    step bench_e2e 560 python3 scripts/bench_e2e.py --out "$out/e2e" --plots-dir "$out/e2e" \
+    step bench_e2e 560 python3 scripts/bench_e2e.py --out "$out/e2e" --plots-dir "$out/e2e" "${e2e_cache[@]}" \
         --tokenizer "$data/qwen2" --alpaca "$data/alpaca_5000.json" --lima "$data/lima.json" \
         --steps 20 --warmup 5 --timeout 120 --profile
     ;;
@@ -315,7 +331,7 @@ compile)  # one batch size per call: the four B32 cells took 434 s (two 1B-shape
     # HF_VARLEN_REPEATS: interleaved runs per cell (the host-bound B8 cells swing 20-45% between
     # runs; a repeat after the first compiles from Inductor's cache on the same machine)
     step bench_e2e_compile "${HF_VARLEN_STEP_TIMEOUT:-560}" python3 scripts/bench_e2e.py \
-        --out "$out/compile" --plots-dir "$out/compile" --tokenizer "$data/qwen2" \
+        --out "$out/compile" --plots-dir "$out/compile" "${e2e_cache[@]}" --tokenizer "$data/qwen2" \
         --alpaca "$data/alpaca_5000.json" --lima "$data/lima.json" --modes "$modes" \
         --data "${HF_VARLEN_DATA:-alpaca}" --max-lengths "${HF_VARLEN_MAX_LENGTH:-1024}" \
         --batch-sizes "$batches" --repeats "${HF_VARLEN_REPEATS:-1}" \
@@ -324,13 +340,13 @@ compile)  # one batch size per call: the four B32 cells took 434 s (two 1B-shape
 graphs)
     modes=minimal_varlen,hf_varlen,hf_varlen-graphs,hf_varlen-compile-graphs
     step bench_e2e_graphs 560 python3 scripts/bench_e2e.py --out "$out/graphs" \
-        --plots-dir "$out/graphs" --tokenizer "$data/qwen2" --alpaca "$data/alpaca_5000.json" \
+        --plots-dir "$out/graphs" "${e2e_cache[@]}" --tokenizer "$data/qwen2" --alpaca "$data/alpaca_5000.json" \
         --lima "$data/lima.json" --modes "${HF_VARLEN_GRAPH_MODES:-$modes}" \
         --batch-sizes "${HF_VARLEN_BATCH_SIZES:-32,8}" --steps 25 --warmup 5 --timeout 240
     ;;
 lora)
     step bench_e2e_lora 560 python3 scripts/bench_e2e.py --out "$out/lora" \
-        --plots-dir "$out/lora" --tokenizer "$data/qwen2" --alpaca "$data/alpaca_5000.json" \
+        --plots-dir "$out/lora" "${e2e_cache[@]}" --tokenizer "$data/qwen2" --alpaca "$data/alpaca_5000.json" \
         --lima "$data/lima.json" --modes minimal_varlen,minimal_varlen-lora,hf_varlen,hf_varlen-lora \
         --batch-sizes 32,8 --steps 15 --warmup 5 --timeout 120
     ;;
@@ -347,6 +363,7 @@ multigpu_extra)  # the one-GPU CUDA-graph step (graphs are one process only); DD
         --tokens-per-batch 16384 --steps 30 --out "$out/multigpu_extra" --timeout 180
     ;;
 peers_install)  # each site once every wheel of its list is on this machine
+    own_bitsandbytes
     for site in unsloth trl; do
         target=/tmp/peers/$site
         if [ -f "$target/.installed" ]; then
@@ -375,6 +392,7 @@ peers)  # one batch size per call: our modes and the peers' of one kind, one inv
 import e2e_modes; print(e2e_modes.PEER_${kind^^}_MODES)") ;;
     *) echo "HF_VARLEN_PEER_KIND=$kind: full, lora or qlora" >&2; exit 2 ;;
     esac
+    [ "$kind" = qlora ] && own_bitsandbytes
     for site in unsloth trl; do  # a site not installed: its peers report "skipped: ... not installed"
         var=HF_VARLEN_PEER_SITE_$(echo "$site" | tr 'a-z' 'A-Z')
         [ -f "/tmp/peers/$site/.installed" ] && export "$var=/tmp/peers/$site"
@@ -385,15 +403,20 @@ import e2e_modes; print(e2e_modes.PEER_${kind^^}_MODES)") ;;
     [ -n "${HF_VARLEN_LAYERS:-}" ] && layers=(--layers "$HF_VARLEN_LAYERS")
     name="peers_${kind}_${model}_${HF_VARLEN_DATA:-alpaca}_B${batches//,/-}"
     step "bench_e2e_$name" "${HF_VARLEN_STEP_TIMEOUT:-560}" python3 scripts/bench_e2e.py \
-        --out "$out/$name" --plots-dir "$out/$name" --model-cache /tmp/hf_varlen_e2e \
+        --out "$out/$name" --plots-dir "$out/$name" "${e2e_cache[@]}" \
         --tokenizer "$data/qwen2" --alpaca "$data/alpaca_5000.json" --lima "$data/lima.json" \
         --models "$model" "${layers[@]}" --data "${HF_VARLEN_DATA:-alpaca}" \
         --max-lengths "${HF_VARLEN_MAX_LENGTH:-1024}" --modes "${HF_VARLEN_PEER_MODES:-$modes}" \
         --batch-sizes "$batches" --steps "${HF_VARLEN_STEPS:-20}" --warmup "${HF_VARLEN_WARMUP:-5}" \
         --timeout 300
     ;;
-bundle)  # last in a call: one archive instead of the many files the stages leave
-    (cd "$out" && tar czf /tmp/hf_varlen_bundle.tgz --exclude=bundle.tgz . &&
+bundle)  # last in a call: one archive instead of the many files the stages leave; a file over
+    # HF_VARLEN_BUNDLE_MAX_MB (default 20) stays out, named, so that the archive still comes back
+    big=$(cd "$out" && find . -type f ! -name bundle.tgz -size +"${HF_VARLEN_BUNDLE_MAX_MB:-20}"M)
+    ex=()
+    for f in $big; do ex+=("--exclude=$f"); done
+    [ -n "$big" ] && echo "left out of the bundle (over ${HF_VARLEN_BUNDLE_MAX_MB:-20} MB):" $big
+    (cd "$out" && tar czf /tmp/hf_varlen_bundle.tgz --exclude=bundle.tgz "${ex[@]}" . &&
         find . -mindepth 1 -delete && mv /tmp/hf_varlen_bundle.tgz bundle.tgz)
     ls -l "$out"
     ;;
