@@ -175,6 +175,7 @@ tests)
     done
     ;;
 suite)
+    own_bitsandbytes  # the big_memory QLoRA test skips without it
     # 8 workers on a 141 GB H200; on an 80 GB H100 beside the trainers, 8 ran out of memory in 41
     # of 224 tests (all passed alone), so 4 there
     mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -n 1)
