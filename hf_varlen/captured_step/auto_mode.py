@@ -13,12 +13,18 @@ bf16, fused kernels; eager / captured / compiled + captured tokens per second, s
 
 Alpaca's documents average ~300 tokens, so the crossover sits around 8-10K real tokens per
 micro-batch: below ``CROSSOVER_REAL_TOKENS`` the captured step wins, above it eager + fused kernels
-does. Not measured separately: LoRA (a third of the device work per token, so the host share is
-larger and the crossover likely higher; the same threshold is used, conservatively) and other
-model sizes. Under TRL's defaults (fp32 weights, bf16 autocast; ``VarlenSFTTrainer``, H100, batch
-8 / 32) a 15-step run whose timed steps still captured new batch shapes ran 0.67x / 0.78x the eager
-step; that is the one-time capture cost inside 10 steps, and the steady state of that setup is not
-yet timed apart (``scripts/bench_trl.py`` now does).
+does. The same rule holds where measured beyond that setup (H100, captured / eager):
+
+    LoRA r=16, batch 4 / 8 / 16 / 32:    12.0K / 2.3K, 20.2K / 6.5K, 26.1K / 8.3K, 33.5K / 27.1K
+    QLoRA, Qwen3-8B shape, batch 8:       5.4K / 1.6K
+    Qwen3-8B shape (8 layers), batch 8:  11.8K / 8.9K
+    TRL's defaults (fp32 weights, bf16 autocast; VarlenSFTTrainer), steady state, batch 8 / 32:
+                                          8.5K / 4.9K, 21.4K / 18.3K
+
+LoRA's crossover is likely higher (a third of the device work per token), so the shared threshold is
+conservative there. Under TRL, each new batch shape costs one capture (1-3 s) inside the run: a
+30-step run that still captured 3-5 shapes in its timed steps ran 0.85-0.86x the eager step over
+all of them; a run of a few hundred steps sees the steady state.
 
 Memory: the captures of 8 batch shapes reserved 21.9 GiB at batch 32 on the 1B model (the graphs'
 private pool keeps each shape's activations). ``capture_bytes`` scales that measurement by
@@ -115,7 +121,9 @@ def choose_step_mode(
             "time capture saves; eager with fused kernels",
         )
     size = "" if real_tokens is None else f"{real_tokens:,.0f} real tokens per micro-batch, "
-    lora_note = " (LoRA: same threshold, not measured separately)" if lora else ""
+    lora_note = (
+        " (LoRA: same threshold; captured measured ahead of eager at batch 4-32)" if lora else ""
+    )
     return StepMode(
         True,
         f"auto: {size}below the {CROSSOVER_REAL_TOKENS:,} crossover, where the eager step waits "

@@ -20,7 +20,7 @@ def test_auto_captures_below_the_crossover_on_cuda():
                             need_bytes=20 * GIB)  # fmt: skip
     assert mode.captured and "2,400 real tokens per micro-batch, below the 10,000" in mode.text
     lora = choose_step_mode("auto", device="cuda", real_tokens=2_400, lora=True)
-    assert lora.captured and "LoRA: same threshold, not measured separately" in lora.text
+    assert lora.captured and "LoRA: same threshold; captured measured ahead" in lora.text
 
 
 def test_auto_stays_eager_and_says_why():
