@@ -23,7 +23,10 @@ What each graph does (all graphs share one memory pool: they never run at the sa
 Host per step: each micro-batch's tensors copied into its shape's static buffers, its offsets
 checked on the host (the CPU tensors: no sync), the replays, ``scheduler.step()`` (which fills the
 learning-rate tensors the update graph reads), then one read-back of (loss, grad norm, skipped)
-for the log and the non-finite policy, as the eager step reads them.
+for the log and the non-finite policy, as the eager step reads them. ``launch`` / ``read`` split
+the two, so that a caller can queue the next step before reading this one (``hf-varlen train``
+does: ``training/loop.py``); ``halt_on_nonfinite`` then keeps the updates after a non-finite
+step skipped on the device until the caller has read it.
 
 The ints of a batch cannot change between replays, so ``max_length_q/k`` are given as the shape's
 token count T (an upper bound of every document in it, which FlashAttention semantics allow and
@@ -157,6 +160,7 @@ class GraphedStep:
         capture: Callable[[Callable[[], None], Any], Callable[[], None]] | None = None,
         autocast_dtype: torch.dtype | None = None,
         update: bool = True,
+        halt_on_nonfinite: bool = False,
     ):
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
         if update and not isinstance(inner, torch.optim.AdamW):
@@ -178,6 +182,11 @@ class GraphedStep:
         self.last_loss = torch.zeros((), **f32)  # the last replayed micro-batch's loss
         self.grads: list[torch.Tensor] | None = None  # the static gradient buffers
         self.accumulating = False  # gradients of replays not yet consumed by an update
+        # halt_on_nonfinite: once a step is not finite, every later update is skipped on the
+        # device too, so a caller that reads a step's result only after launching the next one
+        # (``launch`` / ``read``) stops with the parameters of the last finite step
+        self.halt_on_nonfinite = halt_on_nonfinite
+        self.halted = torch.zeros((), **f32)
 
     # -- setup ---------------------------------------------------------------------------------
 
@@ -202,12 +211,15 @@ class GraphedStep:
     def _update_body(self) -> None:
         grads = [p.grad for p in self.params]
         norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm, foreach=True)
-        bad = ~(torch.isfinite(norm) & torch.isfinite(self.loss_sum))
-        self.inner.found_inf.copy_(bad.float())
+        bad = (~(torch.isfinite(norm) & torch.isfinite(self.loss_sum))).float()
+        if self.halt_on_nonfinite:
+            bad = torch.maximum(bad, self.halted)
+            self.halted.copy_(bad)
+        self.inner.found_inf.copy_(bad)
         self.optimizer.step()
         self.out[0].copy_(self.loss_sum)
         self.out[1].copy_(norm)
-        self.out[2].copy_(bad.float())
+        self.out[2].copy_(bad)
         torch._foreach_zero_(grads)
         self.loss_sum.zero_()
 
@@ -262,6 +274,15 @@ class GraphedStep:
         ``n_items`` the label tokens of the whole step. Returns loss, grad_norm and skipped.
         ``while_running``: host work to do while the GPU runs the replays (called after the last
         launch, before the step's one read-back)."""
+        out = self.launch(batches, n_items)
+        if while_running is not None:
+            while_running()
+        return self.read(out)
+
+    def launch(self, batches: list[dict[str, Any]], n_items: int) -> torch.Tensor:
+        """``step`` without its read-back: the replays are queued and the step's (loss, grad norm,
+        skipped) returned as a device tensor of its own, for ``read`` once the caller has queued
+        more work (the next step's replays keep the GPU busy while the host reads this one)."""
         self._check_no_autocast()
         self._ensure_update()
         # New shapes first: a capture's warm-up zeroes the gradients, which must not drop the
@@ -272,11 +293,18 @@ class GraphedStep:
             micro.load(inputs)
             micro.replay()
         self.update()
-        if while_running is not None:
-            while_running()
         self.accumulating = False  # the update graph zeroed the gradients
-        loss, norm, skipped = self.out.tolist()  # the step's one read-back, after the update
+        return self.out.clone()  # the next update overwrites self.out
+
+    @staticmethod
+    def read(out: torch.Tensor) -> dict[str, float]:
+        """The host values of a launched step's result (its one read-back)."""
+        loss, norm, skipped = out.tolist()
         return {"loss": loss, "grad_norm": norm, "skipped": skipped > 0.5}
+
+    def new_shapes(self, batches: list[dict[str, Any]]) -> bool:
+        """Whether launching ``batches`` would capture (a shape not seen yet, or the first step)."""
+        return self.update is None or any(_shape_key(b) not in self.graphs for b in batches)
 
     def forward_backward(
         self, inputs: dict[str, Any], n_items: torch.Tensor | int | float

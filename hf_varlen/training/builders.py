@@ -338,4 +338,7 @@ def make_graphed_step(trainer, loss_fn):
         device=trainer.device,
         max_grad_norm=trainer.cfg.max_grad_norm or math.inf,
         autocast_dtype=torch.bfloat16 if trainer.precision == "bf16-mixed" else None,
+        # the loop reads a step's result after launching the next (loop.py's run): with
+        # --on-nonfinite stop, that next update must not move the parameters of the failed step
+        halt_on_nonfinite=trainer.cfg.on_nonfinite == "stop",
     )
