@@ -10,6 +10,8 @@ the step after the failed one was already queued (the update graph's halt flag).
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from tiny_runs import tiny_train_config
@@ -171,3 +173,52 @@ def test_host_lr_follows_the_schedule_without_reading_the_rate_tensors(monkeypat
     del sched.lr_lambdas  # another schedule: its tensor is read, the one way left
     host_lr(sched)
     assert reads
+
+
+@pytest.mark.gpu
+def test_gpu_nonfinite_stop_with_the_next_step_queued(tmp_path):
+    """The real capture: a NaN at step k is read after step k + 1 was queued, and the halt flag
+    skipped that update too (AdamW's step count stays at k - 1 for every parameter)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    seen: list[str] = []
+    launch, read = GraphedStep.launch, GraphedStep.read
+    holder: dict[str, Any] = {}
+
+    def spy_launch(self, batches, n_items):
+        seen.append("L")
+        return launch(self, batches, n_items)
+
+    def spy_read(out):
+        seen.append("R")
+        return read(out)
+
+    def nan_at_launch_of_step_k(model):
+        def hook(module, args, output):
+            t = holder.get("t")
+            if module.training and t is not None and t.state.step + 1 == holder["k"]:
+                return output * float("nan")
+            return output
+
+        model.get_output_embeddings().register_forward_hook(hook)
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(GraphedStep, "launch", spy_launch)
+    mp.setattr(GraphedStep, "read", staticmethod(spy_read))
+    try:
+        cfg = _cfg(tmp_path, "nan", cuda_graphs="on", fused_loss="off", precision="bf16")
+        trainer = PackedTrainer(cfg, model_hook=nan_at_launch_of_step_k)
+        # the NaN goes to a step whose successor replays a shape seen before (no capture between)
+        shapes = [trainer.batcher(slot).tensor_tokens for slot in list(trainer.sampler)[:8]]
+        k = next(k for k in range(2, 8) if shapes[k] in shapes[:k])  # shapes[k]: step k + 1
+        holder.update(t=trainer, k=k)
+        with pytest.raises(NonFiniteError, match=rf"step {k}: non-finite loss"):
+            trainer.run()
+    finally:
+        mp.undo()
+    reads_before = [i for i, e in enumerate(seen) if e == "R"]
+    assert seen[: reads_before[k - 1]].count("L") == k + 1, seen
+    opt = trainer.graphed.inner
+    for p in trainer.graphed.params:
+        assert int(opt.state[p]["step"]) == k - 1
+        assert torch.isfinite(p).all()
