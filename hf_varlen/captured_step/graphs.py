@@ -5,6 +5,11 @@
 With static shapes (``--static-shapes``; the trainers pad to a bucket) every packed micro-batch
 has one of a few shapes (a rung of the bucket ladder for T, ``max_documents + 2`` offsets). Per
 shape, one graph holds the micro-batch's forward and backward; one more graph holds the update.
+With ``fresh_grads`` (one micro-batch per step: ``hf-varlen train`` without accumulation), one
+graph per shape holds the whole step instead (``_StepGraph``): its backward allocates the
+gradients as an eager step after ``zero_grad(set_to_none=True)`` does, rather than adding them
+into zeroed static buffers (a zeroing and an addition over every gradient per step saved, and the
+buffers' memory), and drops them back to the pool after the update.
 Replaying them costs the host a few copies and launches per step instead of thousands of kernel
 launches and the Python around them.
 
@@ -142,11 +147,14 @@ class GraphedStep:
     train``), or ``forward_backward`` once per micro-batch, the optimizer step left to the caller
     (a ``transformers.Trainer``, whose loop clips and steps itself): gradients accumulate into the
     static buffers, which are re-attached and zeroed when the caller has reset ``.grad``.
+    ``halt_on_nonfinite``: once a step is not finite, later updates are skipped on the device too
+    (for callers that read a step back after launching the next: ``launch`` / ``read``).
 
     What it changes of yours, on the first ``step``: every param group of the optimizer becomes
     fused, capturable, non-foreach, with its learning rate a 0-d device tensor (an LR scheduler
     built on it keeps working: it fills the tensor); parameter gradients become persistent buffers
-    (zeroed by the update graph, never set to None). Batch ints ``max_length_q/k`` are replaced
+    (zeroed by the update graph, never set to None), or with ``fresh_grads`` (one micro-batch per
+    ``step``) are None between steps, each graph allocating and dropping its own. Batch ints ``max_length_q/k`` are replaced
     by the shape's token count (an upper bound); other non-tensor batch keys are refused."""
 
     def __init__(
@@ -161,6 +169,7 @@ class GraphedStep:
         autocast_dtype: torch.dtype | None = None,
         update: bool = True,
         halt_on_nonfinite: bool = False,
+        fresh_grads: bool = False,
     ):
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
         if update and not isinstance(inner, torch.optim.AdamW):
@@ -187,6 +196,12 @@ class GraphedStep:
         # (``launch`` / ``read``) stops with the parameters of the last finite step
         self.halt_on_nonfinite = halt_on_nonfinite
         self.halted = torch.zeros((), **f32)
+        # fresh_grads: one micro-batch per step, each shape's graph holding the whole step
+        # (``_StepGraph``): no static gradient buffers to zero and add into
+        if fresh_grads and not update:
+            raise ValueError("fresh_grads needs the update in the graphs (update=True)")
+        self.fresh_grads = fresh_grads
+        self.prepared = False  # the optimizer made capturable (``_prepare_optimizer``)
 
     # -- setup ---------------------------------------------------------------------------------
 
@@ -200,13 +215,21 @@ class GraphedStep:
             group["lr"] = torch.tensor(float(lr), dtype=torch.float32, device=self.device)
             group["fused"] = True
             group["foreach"] = False
-        self._attach_grads()
+        if self.fresh_grads:  # zeros only for the state-allocating step below
+            for p in self.params:
+                p.grad = torch.zeros_like(p)
+        else:
+            self._attach_grads()
         opt.found_inf = torch.ones((), dtype=torch.float32, device=self.device)
         self.optimizer.step()  # allocates exp_avg / exp_avg_sq / step; the update is skipped
         for group in opt.param_groups:  # after the eager step (capturable warns outside a capture)
             group["capturable"] = True
         for p in self.params:
-            p.grad.zero_()
+            if self.fresh_grads:
+                p.grad = None
+            else:
+                p.grad.zero_()
+        self.prepared = True
 
     def _update_body(self) -> None:
         grads = [p.grad for p in self.params]
@@ -220,7 +243,11 @@ class GraphedStep:
         self.out[0].copy_(self.loss_sum)
         self.out[1].copy_(norm)
         self.out[2].copy_(bad)
-        torch._foreach_zero_(grads)
+        if self.fresh_grads:  # back to the pool: the next graph allocates its own
+            for p in self.params:
+                p.grad = None
+        else:
+            torch._foreach_zero_(grads)
         self.loss_sum.zero_()
 
     def _ensure_update(self) -> None:
@@ -284,6 +311,22 @@ class GraphedStep:
         skipped) returned as a device tensor of its own, for ``read`` once the caller has queued
         more work (the next step's replays keep the GPU busy while the host reads this one)."""
         self._check_no_autocast()
+        if self.fresh_grads:
+            if len(batches) != 1:
+                raise ValueError(
+                    f"captured step with fresh_grads: one micro-batch per step, got {len(batches)}"
+                    " (gradient accumulation needs the static gradient buffers: fresh_grads=False)"
+                )
+            if not self.prepared:
+                t0, reserved = time.perf_counter(), self._reserved()
+                self._prepare_optimizer()
+                self.capture_s += time.perf_counter() - t0
+                self.graph_bytes += self._reserved() - reserved
+            whole = self._graph_for(batches[0])
+            self.n_items.fill_(float(n_items))
+            whole.load(batches[0])
+            whole.replay()
+            return self.out.clone()
         self._ensure_update()
         # New shapes first: a capture's warm-up zeroes the gradients, which must not drop the
         # accumulation of micro-batches already replayed in this step.
@@ -304,7 +347,8 @@ class GraphedStep:
 
     def new_shapes(self, batches: list[dict[str, Any]]) -> bool:
         """Whether launching ``batches`` would capture (a shape not seen yet, or the first step)."""
-        return self.update is None or any(_shape_key(b) not in self.graphs for b in batches)
+        ready = self.prepared if self.fresh_grads else self.update is not None
+        return not ready or any(_shape_key(b) not in self.graphs for b in batches)
 
     def forward_backward(
         self, inputs: dict[str, Any], n_items: torch.Tensor | int | float
@@ -314,6 +358,10 @@ class GraphedStep:
         the loss is divided by (a device tensor stays on the device). Returns the micro-batch's
         loss (a new 0-d tensor). The optimizer step is the caller's."""
         self._check_no_autocast()
+        if self.fresh_grads:
+            raise ValueError(
+                "forward_backward accumulates into static gradients: fresh_grads=False"
+            )
         self._attach_grads()
         micro = self._graph_for(inputs)
         if isinstance(n_items, torch.Tensor):
@@ -330,7 +378,7 @@ class GraphedStep:
         micro = self.graphs.get(key)
         if micro is None:
             t0, reserved = time.perf_counter(), self._reserved()
-            micro = _MicroGraph(self, inputs)
+            micro = (_StepGraph if self.fresh_grads else _MicroGraph)(self, inputs)
             self.graphs[key] = micro
             self.capture_s += time.perf_counter() - t0
             self.graph_bytes += self._reserved() - reserved
@@ -350,13 +398,33 @@ class GraphedStep:
             "shapes": shapes,
             "capture_s": self.capture_s,
             "graph_gib": self.graph_bytes / 2**30,
+            "whole_step": self.fresh_grads,
         }
+        what = (
+            "one per batch shape, each a whole step with its update, T = "
+            if self.fresh_grads
+            else f"update + {len(shapes)} batch shapes, T = "
+        )
         out["text"] = (
-            f"{out['graphs']} graphs (update + {len(shapes)} batch shapes, T = "
-            f"{', '.join(map(str, shapes)) or '-'}), warm-up + capture {self.capture_s:.1f} s, "
+            f"{out['graphs']} graphs ({what}{', '.join(map(str, shapes)) or '-'}), "
+            f"warm-up + capture {self.capture_s:.1f} s, "
             f"{out['graph_gib']:.2f} GiB reserved by the captures"
         )
         return out
+
+
+@contextlib.contextmanager
+def _side_stream(device: torch.device):
+    """Run the body on a side stream that starts after, and is waited for by, the current one
+    (warm-ups before a capture, as torch.cuda.graphs asks); a no-op off CUDA."""
+    if device.type != "cuda":
+        yield
+        return
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        yield
+    torch.cuda.current_stream(device).wait_stream(side)
 
 
 def _shape_key(inputs: dict[str, Any]) -> tuple:
@@ -387,26 +455,25 @@ class _MicroGraph:
         # The ints are part of the graph: the bucket's token count bounds every document in it.
         self.ints = {k: self.tokens for k in _INT_KEYS if k in inputs}
         self._check(inputs)
-        # The warm-ups run for real: their gradients and loss are undone before capturing (zeroed,
-        # or restored when micro-batches of this accumulation were replayed before this shape).
+        self._warm_up()
+        self.replay = owner._capture(self._body, owner.pool)
+
+    def _warm_up(self) -> None:
+        """``WARMUP`` eager passes on a side stream. They run for real: their gradients and loss
+        are undone before capturing (zeroed, or restored when micro-batches of this accumulation
+        were replayed before this shape)."""
+        owner = self.owner
         grads = [p.grad for p in owner.params if p.grad is not None]
         saved = [t.clone() for t in (*grads, owner.loss_sum)] if owner.accumulating else None
-        dev = owner.device
-        side = torch.cuda.Stream(dev) if dev.type == "cuda" else None
-        if side is not None:
-            side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        with _side_stream(owner.device):
             for _ in range(WARMUP):
                 self._body()
-        if side is not None:
-            torch.cuda.current_stream(dev).wait_stream(side)
         if saved is None:
             torch._foreach_zero_([*grads, owner.loss_sum])
         else:
             torch._foreach_copy_([*grads, owner.loss_sum], saved)
-        self.replay = owner._capture(self._body, owner.pool)
 
-    def _body(self) -> None:
+    def _forward_backward(self) -> None:
         owner = self.owner
         # The forward's autocast region opens and closes inside the captured function (module
         # docstring); the backward runs outside it, as the eager step's does.
@@ -420,6 +487,9 @@ class _MicroGraph:
         loss.backward()
         owner.loss_sum.add_(loss.detach())
         owner.last_loss.copy_(loss.detach())
+
+    def _body(self) -> None:
+        self._forward_backward()
 
     def _check(self, inputs: dict[str, Any]) -> None:
         """The offsets check of the eager path, on the collated CPU tensors (no device sync).
@@ -435,3 +505,30 @@ class _MicroGraph:
         self._check(inputs)
         for k, buf in self.static.items():
             buf.copy_(inputs[k], non_blocking=True)
+
+
+class _StepGraph(_MicroGraph):
+    """One batch shape's whole step (``fresh_grads``): forward, backward into gradients the graph
+    allocates itself (``.grad`` is None before the backward, as after an eager
+    ``zero_grad(set_to_none=True)``: autograd hands each parameter its gradient instead of adding
+    it into a zeroed buffer), the clip and the update, then the gradients dropped back to the
+    graphs' shared pool. That saves a zeroing and an addition over every gradient per step, and
+    the persistent gradient buffers. Its warm-ups run forward + backward only and drop their
+    gradients; nothing of theirs reaches the parameters."""
+
+    def _warm_up(self) -> None:
+        with _side_stream(self.owner.device):
+            for _ in range(WARMUP):
+                self._drop_grads()
+                self._forward_backward()
+        self._drop_grads()
+        self.owner.loss_sum.zero_()
+
+    def _drop_grads(self) -> None:
+        for p in self.owner.params:
+            p.grad = None
+
+    def _body(self) -> None:
+        self._drop_grads()
+        self._forward_backward()
+        self.owner._update_body()

@@ -341,4 +341,7 @@ def make_graphed_step(trainer, loss_fn):
         # the loop reads a step's result after launching the next (loop.py's run): with
         # --on-nonfinite stop, that next update must not move the parameters of the failed step
         halt_on_nonfinite=trainer.cfg.on_nonfinite == "stop",
+        # one micro-batch per step: one graph per shape holds the whole step, its gradients
+        # fresh (no zeroing, no accumulation into static buffers); accumulation keeps those
+        fresh_grads=trainer.cfg.grad_accum == 1,
     )

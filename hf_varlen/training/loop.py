@@ -399,7 +399,7 @@ class PackedTrainer:
                 raise NonFiniteError(nonfinite_message(number, totals[0], gn, lr))
             # A skipped step still advances the schedule: steps count data consumed, not updates.
             self.scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)  # captured: zeroed in the update graph
+            self.optimizer.zero_grad(set_to_none=True)  # captured: done inside the graphs
         extra = {}
         if self.compiler.enabled:
             extra["compilations"] = launched.compilations

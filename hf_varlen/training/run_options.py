@@ -104,8 +104,9 @@ class CompileOptions:
     )
     cuda_graphs: str = option(
         "auto",
-        "capture the training step in CUDA graphs (one per batch shape for forward + backward, "
-        "one for clip + fused AdamW) and replay it: on (raises when the run cannot: it needs "
+        "capture the training step in CUDA graphs (one per batch shape holding the whole step; "
+        "with --grad-accum > 1, one per shape for forward + backward and one for clip + fused "
+        "AdamW) and replay it: on (raises when the run cannot: it needs "
         "CUDA, static shapes, one process, adamw, no dropout under --gradient-checkpointing); "
         "auto (default: captured on CUDA below ~10K real tokens per micro-batch, where the "
         "eager step waits on the host, with enough free memory; else eager, the reason in the "

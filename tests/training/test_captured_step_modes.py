@@ -100,10 +100,12 @@ def test_bf16_mixed_with_checkpointing_captured_equals_eager(tmp_path, capture_o
         assert_numerics(name, p_x[name], p_hi[name], p_lo[name], factor=3)
 
 
-def test_lora_captured_equals_eager(tmp_path, capture_on_cpu):
-    """peft LoRA: only the adapters get gradient buffers, the clip and the update; the frozen
-    base weights stay as they were."""
+@pytest.mark.parametrize("grad_accum", [1, 2])
+def test_lora_captured_equals_eager(tmp_path, capture_on_cpu, grad_accum):
+    """peft LoRA: only the adapters get gradients (static buffers when accumulating), the clip
+    and the update; the frozen base weights stay as they were."""
     common = dict(lora=True, lora_r=4, precision="fp32", gradient_checkpointing=True)
+    common["grad_accum"] = grad_accum
     eager, p_eager, *_ = _run(_cfg(tmp_path, "eager", **common))
     x, p_x, summary, trainable, trainer = _run(_cfg(tmp_path, "x", cuda_graphs="on", **common))
     assert summary["cuda_graphs"]["on"]
@@ -112,7 +114,12 @@ def test_lora_captured_equals_eager(tmp_path, capture_on_cpu):
     assert {id(p) for p in graphed.params} == {
         id(p) for p in trainer.model.parameters() if p.requires_grad
     }
-    assert len(graphed.grads) == len(trainable)
+    if grad_accum == 1:  # whole-step graphs: the backward allocates the adapters' gradients,
+        # the update drops them (no static buffers); the base weights never get any
+        assert graphed.fresh_grads and graphed.grads is None
+        assert all(p.grad is None for p in trainer.model.parameters())
+    else:
+        assert not graphed.fresh_grads and len(graphed.grads) == len(trainable)
     state = trainer.optimizer.optimizer.state
     assert all(not p.requires_grad or p in state for p in trainer.model.parameters())
     assert not any(p in state for p in trainer.model.parameters() if not p.requires_grad)
@@ -207,7 +214,8 @@ def test_gpu_bf16_mixed_checkpointing_captured_trains_like_eager(tmp_path, lora)
         _cfg(tmp_path, "x", precision="bf16-mixed", cuda_graphs="on", **common)
     )
     info = summary["cuda_graphs"]
-    assert info["on"] and info["graphs"] == 1 + len(info["shapes"]), info
+    # one micro-batch per step: one whole-step graph per shape (fresh gradients, update inside)
+    assert info["on"] and info["whole_step"] and info["graphs"] == len(info["shapes"]), info
     for key in ("loss", "grad_norm"):
         for step in range(len(hi[key])):
             assert_numerics(

@@ -71,7 +71,10 @@ def test_graphed_step_trains_like_the_eager_step(tmp_path, capture_on_cpu, grad_
     for name, p in p_eager.items():
         torch.testing.assert_close(p_graphed[name], p, rtol=1e-4, atol=1e-6, msg=name)
     info = summary["cuda_graphs"]
-    assert info["on"] and info["graphs"] == 1 + len(info["shapes"]), info
+    # one micro-batch per step: one graph per shape holds the whole step (fresh gradients);
+    # with accumulation, one per shape for forward + backward and one for the update
+    assert info["whole_step"] == (grad_accum == 1), info
+    assert info["on"] and info["graphs"] == (grad_accum > 1) + len(info["shapes"]), info
     assert info["shapes"] == sorted(summary["static_shapes"]["shapes"]), info
     assert info["capture_s"] > 0 and "warm-up + capture" in info["text"]
 
@@ -89,11 +92,14 @@ def test_graphed_step_on_a_compiled_model(tmp_path, capture_on_cpu):
     assert summary["cuda_graphs"]["on"] and summary["compile"]["compilations"] <= 2
 
 
-def test_graphed_run_resumes_bit_identically(tmp_path, capture_on_cpu):
+@pytest.mark.parametrize("grad_accum", [1, 2])
+def test_graphed_run_resumes_bit_identically(tmp_path, capture_on_cpu, grad_accum):
     """A graphed run saved mid-way (tensor learning rates, capturable AdamW state in the
     checkpoint) and resumed with graphs continues exactly as the uninterrupted graphed run, with
-    an eval between steps (eager forwards on the captured model)."""
-    common = dict(cuda_graphs="on", grad_accum=2, max_steps=6, eval_split=0.1, eval_every=2)
+    an eval between steps (eager forwards on the captured model); grad_accum 1 runs whole-step
+    graphs with fresh gradients, 2 the accumulating ones."""
+    common = dict(cuda_graphs="on", grad_accum=grad_accum, max_steps=6, eval_split=0.1)
+    common["eval_every"] = 2
     straight = PackedTrainer(_tiny(tmp_path, "a", save_every=3, **common))
     straight.run()
     resumed = PackedTrainer(
@@ -260,4 +266,72 @@ def test_gpu_captured_step_trains_like_eager(tmp_path, compiled):
     x, summary = series("x", precision="bf16", cuda_graphs="on")
     assert_numerics("--cuda-graphs losses", x["loss"], hi["loss"], lo["loss"], factor=2)
     info = summary["cuda_graphs"]
-    assert info["on"] and info["graphs"] == 1 + len(info["shapes"]), info
+    assert info["on"] and info["whole_step"] and info["graphs"] == len(info["shapes"]), info
+
+
+def test_whole_step_graphs_match_the_accumulating_ones():
+    """fresh_grads (one graph per shape holding the whole step, gradients allocated by the
+    backward) against the static-buffer graphs on the same steps: same losses, norms and
+    parameters; after a step the gradients are gone (back to the pool), and a non-finite step
+    changes no parameter and no moment."""
+
+    def run(fresh: bool):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Embedding(32, 8), torch.nn.Linear(8, 4))
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+        poison = {"on": False}
+
+        def loss_fn(m, inputs, n_items):
+            loss = m(inputs["input_ids"]).square().sum() / n_items
+            return loss * math.nan if poison["on"] else loss
+
+        step = GraphedStep(
+            model, opt, loss_fn, device=torch.device("cpu"), max_grad_norm=0.3,
+            capture=_eager_capture, fresh_grads=fresh, halt_on_nonfinite=False,
+        )  # fmt: skip
+        outs = []
+        for t in (8, 16, 8, 16, 16):
+            outs.append(step.step([{"input_ids": torch.arange(t).view(1, t) % 32}], n_items=t))
+            if fresh:
+                assert all(p.grad is None for p in model.parameters())
+        before = [p.detach().clone() for p in model.parameters()]
+        moments = [v.clone() for p in model.parameters() for v in opt.state[p].values()]
+        poison["on"] = True
+        assert step.step([{"input_ids": torch.arange(8).view(1, 8)}], n_items=8)["skipped"]
+        for p, b in zip(model.parameters(), before, strict=True):
+            assert torch.equal(p.detach(), b)
+        after = [v for p in model.parameters() for v in opt.state[p].values()]
+        assert all(torch.equal(a, b) for a, b in zip(after, moments, strict=True))
+        return outs, before, step.summary()
+
+    fresh, p_fresh, s_fresh = run(True)
+    static, p_static, s_static = run(False)
+    for key in ("loss", "grad_norm"):
+        got = torch.tensor([o[key] for o in fresh], dtype=torch.float64)
+        want = torch.tensor([o[key] for o in static], dtype=torch.float64)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0, msg=key)
+    for a, b in zip(p_fresh, p_static, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert s_fresh["graphs"] == 2 and s_fresh["whole_step"] and "whole step" in s_fresh["text"]
+    assert s_static["graphs"] == 3 and not s_static["whole_step"]
+
+
+def test_whole_step_graphs_refuse_accumulation():
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters())
+
+    def loss_fn(m, inputs, n_items):
+        return m(inputs["input_ids"].float().view(-1, 1).expand(-1, 4)).sum() / n_items
+
+    step = GraphedStep(
+        model, opt, loss_fn, device=torch.device("cpu"), max_grad_norm=1.0,
+        capture=_eager_capture, fresh_grads=True,
+    )  # fmt: skip
+    batch = {"input_ids": torch.arange(4).view(1, 4)}
+    with pytest.raises(ValueError, match="one micro-batch per step, got 2"):
+        step.step([batch, batch], n_items=8)
+    with pytest.raises(ValueError, match="forward_backward accumulates"):
+        step.forward_backward(batch, 4)
+    with pytest.raises(ValueError, match="fresh_grads needs the update"):
+        GraphedStep(model, opt, loss_fn, device=torch.device("cpu"), max_grad_norm=1.0,
+                    update=False, fresh_grads=True)  # fmt: skip
