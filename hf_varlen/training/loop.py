@@ -24,18 +24,7 @@ the schedule still advances, and the summary counts it). A failed save raises ``
 A new run in an ``--output-dir`` that holds one is refused unless ``--resume`` or
 ``--overwrite-output-dir`` says what to do with the old one.
 
-One step in flight (the captured step). A step is launched (``launch_step``) and read back
-(``finish_step``: loss and gradient norm to the host, the log line). The eager step does both at
-once. The captured step's replays are only queued, so ``run`` launches step ``n + 1`` before it
-reads step ``n``: the GPU runs ``n + 1`` while the host waits for ``n``'s numbers, writes its log
-line and loads the next batch, instead of idling from each read-back to the next launch. What
-must see exactly step ``n``'s parameters reads it back first: an eval or a save at ``n``, the
-last step of the run or of an epoch, a profiled step, and the step before a launch that captures a
-new batch shape (whose warm-up runs eagerly). A non-finite step under ``--on-nonfinite stop`` is
-found one launch late; the update graph then keeps skipping (``GraphedStep``'s
-``halt_on_nonfinite``), so the run stops with the parameters of the last finite step, as the eager
-loop does. A step's ``step_time`` counts from the previous step's read-back when that came after
-its launch: their sum is the run's wall time.
+The captured step keeps one step in flight: ``stepping.py`` says which steps are read back at once.
 """
 
 from __future__ import annotations
@@ -46,12 +35,10 @@ import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..coverage import check_pending_offsets
 from ..packing import rank_imbalance
 from . import checkpoint as ckpt
 from .batching import Batcher, MicroBatch
@@ -97,57 +84,17 @@ from .run_summary import graphs_summary, intro_text, write_summary
 from .step import (
     NonFiniteError,
     accepts_loss_kwargs,
-    batch_counts,
     eval_sums,
-    nonfinite_message,
     step_loss,
-    step_record,
     to_device,
     trial_forward,
 )
+from .stepping import InFlight, Launched, finish_step, launch_step
 
 logger = logging.getLogger("hf_varlen.training")
 __all__ = ["CONFIG_FILE", "METRICS_FILE", "TRACKED", "NonFiniteError", "PackedTrainer", "run"]
 # What goes to --report-to each logged step (names as in metrics.jsonl).
 TRACKED = ("loss", "tokens_per_s", "packing_efficiency", "peak_mem_gib", "lr", "grad_norm")
-
-
-def _read_loss_and_norm(loss: torch.Tensor, grad_norm: Any) -> tuple[float, Any]:
-    """(loss, grad norm) as Python floats in one device read instead of two syncs (fp64 holds
-    either dtype exactly). A norm that is not a plain tensor on the loss's device (None, a
-    DTensor) is returned as it is."""
-    if type(grad_norm) is torch.Tensor and grad_norm.device == loss.device:
-        loss_value, norm = torch.stack([loss.double(), grad_norm.double().reshape(())]).tolist()
-        return loss_value, norm
-    return float(loss), grad_norm
-
-
-@dataclass
-class _Launched:
-    """A step between ``launch_step`` and ``finish_step``: its batches, learning rate and start;
-    ``out`` the captured step's result on the device (None: eager, ``values`` already read)."""
-
-    group: list[list[int]]
-    batches: list[MicroBatch]
-    lr: float
-    t0: float
-    out: torch.Tensor | None = None
-    values: tuple[float, Any] = (math.nan, None)
-    compilations: int = 0
-    captures: int = 0
-    number: int | None = None  # the step's number in the run (None: state.step + 1)
-
-
-def host_lr(scheduler) -> float:
-    """The learning rate of the step about to run, read without waiting on the GPU. With the
-    captured step the optimizer's rates are device tensors the scheduler fills; a ``LambdaLR``
-    (every schedule ``get_scheduler`` builds) gives the same value from its own rule on the host,
-    where reading the tensor would wait for the steps still queued."""
-    last = scheduler.get_last_lr()[0]
-    lambdas, bases = getattr(scheduler, "lr_lambdas", None), getattr(scheduler, "base_lrs", None)
-    if isinstance(last, torch.Tensor) and lambdas and bases and not torch.is_tensor(bases[0]):
-        return float(bases[0] * lambdas[0](scheduler.last_epoch))
-    return float(last)
 
 
 class PackedTrainer:
@@ -319,95 +266,13 @@ class PackedTrainer:
         group: list[list[int]],
         next_group: list[list[int]] | None = None,
         before_capture: Callable[[], None] | None = None,
-    ) -> _Launched:
-        """The first half of ``train_step``. Eager: the whole step. Captured: the replays and the
-        update queued, the scheduler advanced (it fills the learning-rate tensors the next update
-        reads, in stream order), the next group collated; the read-back is ``finish_step``'s, so
-        the caller may queue the next step first. ``before_capture``: called before a launch that
-        would capture a new batch shape (its warm-up and capture time then belong to this step)."""
-        t0 = time.perf_counter()
-        compiled_before = self.compiler.compilations
-        captured_before = self.graphed.captures if self.graphed is not None else 0
-        ready, self._collated = self._collated, None
-        batches = ready[1] if ready and ready[0] == group else [self.batcher(i) for i in group]
+    ) -> Launched:
+        """The first half of ``train_step`` (``stepping.launch_step``)."""
+        return launch_step(self, group, next_group, before_capture)
 
-        def collate_next():
-            if next_group:
-                self._collated = (next_group, [self.batcher(i) for i in next_group])
-
-        local = sum(b.label_tokens for b in batches)
-        if self.acc.num_processes > 1:
-            n_items = self.acc.reduce(torch.tensor(local, device=self.device), reduction="sum")
-        else:
-            n_items = local
-        if self.bucket_counts:
-            for mb in batches:
-                self.bucket_counts[mb.tensor_tokens] += 1
-        lr = host_lr(self.scheduler)
-        launched = _Launched(group=group, batches=batches, lr=lr, t0=t0)
-        if self.graphed is not None:  # forward, backward and the update replayed, or skipped
-            inputs = [mb.inputs for mb in batches]
-            if before_capture is not None and self.graphed.new_shapes(inputs):
-                before_capture()
-                launched.t0 = time.perf_counter()
-            launched.out = self.graphed.launch(inputs, n_items)
-            # A skipped step still advances the schedule: steps count data consumed, not updates.
-            self.scheduler.step()
-            collate_next()
-        else:
-            loss = torch.zeros((), device=self.device)
-            for i, mb in enumerate(batches):
-                mb_loss = self._micro_step(mb, n_items, sync=i == len(batches) - 1)
-                if not mb.dummy:  # a dummy adds exactly zero (its 0/0 may be NaN when N == 0)
-                    loss += mb_loss
-            max_norm = self.cfg.max_grad_norm or math.inf
-            grad_norm = self.acc.clip_grad_norm_(self.clip_params, max_norm)
-            collate_next()
-            launched.values = _read_loss_and_norm(loss, grad_norm)
-        launched.compilations = self.compiler.compilations - compiled_before
-        if self.graphed is not None:
-            launched.captures = self.graphed.captures - captured_before
-        return launched
-
-    def finish_step(self, launched: _Launched, since: float | None = None) -> dict[str, Any]:
-        """The second half of ``train_step``: the read-back, the non-finite policy, the update
-        (eager) and the step's record. ``since``: when the previous step finished, if after this
-        one's launch (its ``step_time`` then counts from there: with launches queued ahead, the
-        time between finishes is what a step costs)."""
-        batches, lr = launched.batches, launched.lr
-        if launched.out is not None:
-            out = self.graphed.read(launched.out)
-            loss_value, grad_norm = out["loss"], out["grad_norm"]
-        else:
-            loss_value, grad_norm = launched.values
-        counts = batch_counts(batches, self.cfg.token_budget)
-        self.rank_real_tokens += counts[0]
-        # Reduced before the update, so every rank takes the same decision on a non-finite step.
-        totals = self.sum_over_processes([loss_value, *counts])
-        gn = float(grad_norm) if grad_norm is not None else math.nan
-        check_pending_offsets()  # deferred offset checks: free after the reads above
-        finite = math.isfinite(totals[0]) and (grad_norm is None or math.isfinite(gn))
-        number = launched.number or self.state.step + 1
-        if self.graphed is not None:  # the captured update already applied or skipped it
-            if not finite and self.cfg.on_nonfinite == "stop":
-                raise NonFiniteError(nonfinite_message(number, totals[0], gn, lr))
-        else:
-            if finite:
-                self.optimizer.step()
-            elif self.cfg.on_nonfinite == "stop":
-                self.optimizer.zero_grad(set_to_none=True)
-                raise NonFiniteError(nonfinite_message(number, totals[0], gn, lr))
-            # A skipped step still advances the schedule: steps count data consumed, not updates.
-            self.scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)  # captured: done inside the graphs
-        extra = {}
-        if self.compiler.enabled:
-            extra["compilations"] = launched.compilations
-        if self.graphed is not None:  # steps that captured (warm-up + capture in their step_time)
-            extra["captures"] = launched.captures
-        start = launched.t0 if since is None else max(launched.t0, since)
-        seconds = time.perf_counter() - start
-        return step_record(totals, lr, gn, finite, len(launched.group), seconds, **extra)
+    def finish_step(self, launched: Launched, since: float | None = None) -> dict[str, Any]:
+        """The second half of ``train_step`` (``stepping.finish_step``)."""
+        return finish_step(self, launched, since)
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, Any] | None:
@@ -428,27 +293,11 @@ class PackedTrainer:
         self.model.train()
         evals: list[dict[str, Any]] = []
         t_origin = time.perf_counter() - st.elapsed
-        # The captured step reads a step's result after queueing the next one, so that the GPU
-        # runs on while the host reads, logs and loads (one step in flight: ``pending``). A step
-        # that evaluates, saves, ends the run or an epoch, or is profiled finishes before the next
-        # launch, as every eager step does.
+        # The captured step keeps one step in flight (stepping.py); the eager one never does.
         ahead_ok = self.graphed is not None and self.profiler.step is None
-        pending: tuple[_Launched, dict[str, Any]] | None = None
-        last_finish: list[float | None] = [None]
-
-        def finish(item: tuple[_Launched, dict[str, Any]]) -> None:
-            launched, info = item
-            counts = self.finish_step(launched, since=last_finish[0])
-            last_finish[0] = time.perf_counter()
-            counts.update(info["extra"])
-            self._after_step(counts, info, run_log, evals, t_origin)
-
-        def flush() -> None:
-            nonlocal pending
-            if pending is not None:
-                item, pending = pending, None
-                finish(item)
-
+        flight = InFlight(
+            self, lambda counts, info: self._after_step(counts, info, run_log, evals, t_origin)
+        )
         try:
             while st.step < self.total_steps:
                 self.sampler.set_epoch(st.epoch)
@@ -463,7 +312,7 @@ class PackedTrainer:
                     ahead = None if last else slots[nxt : nxt + cfg.grad_accum]
                     number = st.step + 1
                     with self.profiler.around(number):
-                        launched = self.launch_step(group, ahead, before_capture=flush)
+                        launched = self.launch_step(group, ahead, before_capture=flight.flush)
                     launched.number = number
                     extra: dict[str, Any] = {}
                     if number == self.profiler.step:  # its time includes the profiler's
@@ -475,15 +324,14 @@ class PackedTrainer:
                     st.step = number
                     info = {"step": number, "epoch": st.epoch + st.micro / len(slots)}
                     info["extra"] = extra
-                    flush()  # the previous step, read while this one runs
-                    item = (launched, info)
+                    flight.flush()  # the previous step, read while this one runs
                     if ahead_ok and not self._finishes_here(number, st.micro >= len(slots)):
-                        pending = item
+                        flight.hold(launched, info)
                     else:
-                        finish(item)
+                        flight.finish(launched, info)
                 if st.micro >= len(slots):
                     st.epoch, st.micro = st.epoch + 1, 0
-            flush()
+            flight.flush()
             if self.eval_sampler is not None and (not evals or evals[-1]["step"] != st.step):
                 evals.append(self._eval_record(run_log, st))
             if cfg.save_every and st.step % cfg.save_every != 0:

@@ -151,7 +151,7 @@ def test_host_lr_follows_the_schedule_without_reading_the_rate_tensors(monkeypat
     tensors it fills (reading those would wait for the steps still queued)."""
     from transformers import get_scheduler
 
-    from hf_varlen.training.loop import host_lr
+    from hf_varlen.training.stepping import host_lr
 
     p = torch.nn.Parameter(torch.zeros(2))
     opt = torch.optim.AdamW([p], lr=1e-3)

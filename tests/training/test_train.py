@@ -376,14 +376,14 @@ def test_default_run_via_cli(tmp_path):
 def test_loss_and_norm_are_read_together_exactly():
     """The step reads its loss and gradient norm in one device read; the values are exactly
     float() of each, whatever the norm's dtype; a norm that is not a plain tensor passes through."""
-    from hf_varlen.training.loop import _read_loss_and_norm
+    from hf_varlen.training.stepping import read_loss_and_norm
 
     loss = torch.tensor(2.7182817459106445, dtype=torch.float32) / 3
     for dtype in (torch.float32, torch.bfloat16, torch.float64):
         norm = torch.tensor(1.2345678901234567, dtype=dtype)
-        got = _read_loss_and_norm(loss, norm)
+        got = read_loss_and_norm(loss, norm)
         assert got == (float(loss), float(norm)) and all(type(v) is float for v in got)
-    assert _read_loss_and_norm(loss, None) == (float(loss), None)
+    assert read_loss_and_norm(loss, None) == (float(loss), None)
 
 
 def test_ddp_timeout_reaches_the_process_group(tmp_path):
@@ -404,11 +404,11 @@ def test_next_step_is_collated_before_this_steps_read_back(tmp_path, monkeypatch
     step and the last step of an epoch collate nothing ahead."""
     from tiny_runs import tiny_train_config
 
-    import hf_varlen.training.loop as loop_mod
+    import hf_varlen.training.stepping as stepping
     from hf_varlen.training.data import Batcher
 
     events = []
-    collate, read = Batcher.__call__, loop_mod._read_loss_and_norm
+    collate, read = Batcher.__call__, stepping.read_loss_and_norm
 
     def spy_collate(self, indices):
         events.append(("collate", tuple(indices)))
@@ -419,7 +419,7 @@ def test_next_step_is_collated_before_this_steps_read_back(tmp_path, monkeypatch
         return read(*args)
 
     monkeypatch.setattr(Batcher, "__call__", spy_collate)
-    monkeypatch.setattr(loop_mod, "_read_loss_and_norm", spy_read)
+    monkeypatch.setattr(stepping, "read_loss_and_norm", spy_read)
     cfg = tiny_train_config(tmp_path, "run", grad_accum=2, max_steps=None, builtin_examples=24)
     trainer = PackedTrainer(cfg)
     slots = [tuple(s) for s in trainer.sampler]  # epoch 0's order (set_epoch(0) is the first)
