@@ -152,10 +152,11 @@ class GraphedStep:
 
     What it changes of yours, on the first ``step``: every param group of the optimizer becomes
     fused, capturable, non-foreach, with its learning rate a 0-d device tensor (an LR scheduler
-    built on it keeps working: it fills the tensor); parameter gradients become persistent buffers
-    (zeroed by the update graph, never set to None), or with ``fresh_grads`` (one micro-batch per
-    ``step``) are None between steps, each graph allocating and dropping its own. Batch ints ``max_length_q/k`` are replaced
-    by the shape's token count (an upper bound); other non-tensor batch keys are refused."""
+    built on it keeps working: it fills the tensor); parameter gradients become persistent
+    buffers (zeroed by the update graph, never set to None), or with ``fresh_grads`` (one
+    micro-batch per ``step``) are None between steps, each graph allocating and dropping its own.
+    Batch ints ``max_length_q/k`` are replaced by the shape's token count (an upper bound);
+    other non-tensor batch keys are refused."""
 
     def __init__(
         self,

@@ -1,17 +1,17 @@
 """The training step in two halves, so that the captured step can keep one step in flight.
 
-One step in flight (the captured step). A step is launched (``launch_step``) and read back
-(``finish_step``: loss and gradient norm to the host, the log line). The eager step does both at
-once. The captured step's replays are only queued, so ``PackedTrainer.run`` launches step ``n + 1`` before it
-reads step ``n``: the GPU runs ``n + 1`` while the host waits for ``n``'s numbers, writes its log
-line and loads the next batch, instead of idling from each read-back to the next launch. What
-must see exactly step ``n``'s parameters reads it back first: an eval or a save at ``n``, the
-last step of the run or of an epoch, a profiled step, and the step before a launch that captures a
-new batch shape (whose warm-up runs eagerly). A non-finite step under ``--on-nonfinite stop`` is
-found one launch late; the update graph then keeps skipping (``GraphedStep``'s
-``halt_on_nonfinite``), so the run stops with the parameters of the last finite step, as the eager
-loop does. A step's ``step_time`` counts from the previous step's read-back when that came after
-its launch: their sum is the run's wall time.
+A step is launched (``launch_step``) and read back (``finish_step``: loss and gradient norm to
+the host, the non-finite policy, the log line). The eager step does both at once. The captured
+step's replays are only queued, so ``PackedTrainer.run`` launches step ``n + 1`` before it reads
+step ``n`` (``InFlight``): the GPU runs ``n + 1`` while the host waits for ``n``'s numbers, writes
+its log line and loads the next batch, instead of idling from each read-back to the next launch.
+What must see exactly step ``n``'s parameters reads it back first: an eval or a save at ``n``,
+the last step of the run or of an epoch, a profiled step, and the step before a launch that
+captures a new batch shape (whose warm-up runs eagerly). A non-finite step under
+``--on-nonfinite stop`` is found one launch late; the captured update then keeps skipping
+(``GraphedStep``'s ``halt_on_nonfinite``), so the run stops with the parameters of the last
+finite step, as the eager loop does. A step's ``step_time`` counts from the previous step's
+read-back when that came after its launch: their sum is the run's wall time.
 
 Shape legend: none (host bookkeeping; the tensors are the collated micro-batches).
 """
@@ -75,11 +75,12 @@ def launch_step(
     next_group: list[list[int]] | None = None,
     before_capture: Callable[[], None] | None = None,
 ) -> Launched:
-    """The first half of ``PackedTrainer.train_step``. Eager: the whole step. Captured: the replays and the
-    update queued, the scheduler advanced (it fills the learning-rate tensors the next update
-    reads, in stream order), the next group collated; the read-back is ``finish_step``'s, so
-    the caller may queue the next step first. ``before_capture``: called before a launch that
-    would capture a new batch shape (its warm-up and capture time then belong to this step)."""
+    """The first half of ``PackedTrainer.train_step``. Eager: the whole step. Captured: the
+    replays and the update queued, the scheduler advanced (it fills the learning-rate tensors the
+    next update reads, in stream order), the next group collated; the read-back is
+    ``finish_step``'s, so the caller may queue the next step first. ``before_capture``: called
+    before a launch that would capture a new batch shape (its warm-up and capture time then
+    belong to this step)."""
     t0 = time.perf_counter()
     compiled_before = trainer.compiler.compilations
     captured_before = trainer.graphed.captures if trainer.graphed is not None else 0
@@ -126,10 +127,10 @@ def launch_step(
 
 
 def finish_step(trainer, launched: Launched, since: float | None = None) -> dict[str, Any]:
-    """The second half of ``PackedTrainer.train_step``: the read-back, the non-finite policy, the update
-    (eager) and the step's record. ``since``: when the previous step finished, if after this
-    one's launch (its ``step_time`` then counts from there: with launches queued ahead, the
-    time between finishes is what a step costs)."""
+    """The second half of ``PackedTrainer.train_step``: the read-back, the non-finite policy,
+    the update (eager) and the step's record. ``since``: when the previous step finished, if
+    after this one's launch (its ``step_time`` then counts from there: with launches queued
+    ahead, the time between finishes is what a step costs)."""
     batches, lr = launched.batches, launched.lr
     if launched.out is not None:
         out = trainer.graphed.read(launched.out)
