@@ -34,6 +34,8 @@
 #                      HF_VARLEN_REPEATS interleaved runs per cell, default 1; a
 #                      1B-shape compile cell takes 85-200 s on the H200, a repeat
 #                      ~45 s from Inductor's cache)
+#   gpu_evidence.sh e2e_ab    OUT_DIR   # bench_e2e cells of an older tree in .baseline/
+#                     beside this tree's, interleaved (HF_VARLEN_AB_MODES, HF_VARLEN_BATCH_SIZES)
 #   gpu_evidence.sh graphs    OUT_DIR   # bench_e2e: --cuda-graphs on, eager and
 #                     compiled, B32 and B8; 25 steps, so that steps replaying every
 #                     shape remain after the capture steps
@@ -337,6 +339,22 @@ compile)  # one batch size per call: the four B32 cells took 434 s (two 1B-shape
         --data "${HF_VARLEN_DATA:-alpaca}" --max-lengths "${HF_VARLEN_MAX_LENGTH:-1024}" \
         --batch-sizes "$batches" --repeats "${HF_VARLEN_REPEATS:-1}" \
         --steps 40 --warmup 5 --timeout 240 "${profile[@]}"
+    ;;
+e2e_ab)  # end-to-end cells of an older tree (unpacked in .baseline/, see `baseline`: git
+    # archive REV hf_varlen scripts) beside the same cells of this tree, interleaved per batch
+    # size in one call: HF_VARLEN_AB_MODES (default: the default mode and the compiled
+    # integration, the anchor), HF_VARLEN_BATCH_SIZES (default 8,16)
+    [ -d .baseline/hf_varlen ] || { echo "e2e_ab: unpack the older tree in .baseline/ first" >&2; exit 2; }
+    for b in $(echo "${HF_VARLEN_BATCH_SIZES:-8,16}" | tr ',' ' '); do
+        for tree in old new; do
+            root=$([ "$tree" = old ] && echo "$PWD/.baseline" || echo "$PWD")
+            step "bench_e2e_ab_${tree}_B$b" 280 env PYTHONPATH="/tmp/site:$root" \
+                python3 "$root/scripts/bench_e2e.py" --out "$out/ab_${tree}_B$b" "${e2e_cache[@]}" \
+                --tokenizer "$data/qwen2" --alpaca "$data/alpaca_5000.json" \
+                --lima "$data/lima.json" --modes "${HF_VARLEN_AB_MODES:-hf_varlen-auto,minimal_varlen-compile}" \
+                --batch-sizes "$b" --steps 40 --warmup 5 --timeout 240
+        done
+    done
     ;;
 graphs)
     modes=minimal_varlen,hf_varlen,hf_varlen-graphs,hf_varlen-compile-graphs
