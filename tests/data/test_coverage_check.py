@@ -128,10 +128,10 @@ def test_unread_checks_are_bounded(deferred, monkeypatch):
 
 
 def test_packed_trainer_reads_pending_checks_every_step(tmp_path, monkeypatch):
-    from hf_varlen.training import PackedTrainer, TrainConfig, loop
+    from hf_varlen.training import PackedTrainer, TrainConfig, stepping
 
-    calls = []
-    monkeypatch.setattr(loop, "check_pending_offsets", lambda: calls.append(1))
+    calls = []  # read at each step's read-back (training/stepping.py)
+    monkeypatch.setattr(stepping, "check_pending_offsets", lambda: calls.append(1))
     cfg = TrainConfig(
         output_dir=str(tmp_path / "run"),
         builtin_examples=32,

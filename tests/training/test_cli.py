@@ -466,15 +466,16 @@ def _interrupt_at(monkeypatch, step: int) -> None:
     """Ctrl-C while training optimizer step ``step`` (1-based)."""
     from hf_varlen.training.loop import PackedTrainer
 
-    real, calls = PackedTrainer.train_step, []
+    # the run launches each step once (launch_step, then finish_step reads it back)
+    real, calls = PackedTrainer.launch_step, []
 
-    def train_step(self, *args, **kwargs):
+    def launch_step(self, *args, **kwargs):
         calls.append(1)
         if len(calls) == step:
             raise KeyboardInterrupt
         return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(PackedTrainer, "train_step", train_step)
+    monkeypatch.setattr(PackedTrainer, "launch_step", launch_step)
 
 
 def test_ctrl_c_says_how_to_resume_and_that_command_resumes(tmp_path, capsys, monkeypatch):

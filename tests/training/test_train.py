@@ -330,7 +330,8 @@ def test_bad_config_fails_before_training(tmp_path, monkeypatch, overrides, erro
             importlib.util, "find_spec", lambda name, *a: None if name == "peft" else real(name, *a)
         )
     started = []
-    monkeypatch.setattr(PackedTrainer, "train_step", lambda self, group: started.append(1))
+    # run() starts each step with launch_step
+    monkeypatch.setattr(PackedTrainer, "launch_step", lambda self, *a, **k: started.append(1))
     with pytest.raises(error, match=pattern):
         PackedTrainer(tiny(tmp_path, **overrides)).run()
     assert not started
