@@ -46,3 +46,9 @@ def tiny_train_config(tmp_path, name, **overrides) -> TrainConfig:
 def epoch_train_config(tmp_path, **overrides) -> TrainConfig:
     base = dict(builtin_examples=48, max_length=256, tokens_per_batch=512, max_steps=None)
     return tiny_train_config(tmp_path, "run", **{**base, **overrides})
+
+
+def eager_capture(fn, pool):
+    """What the captured-step tests use instead of a CUDA capture on the CPU: the "replay" runs
+    the function again on the same static buffers."""
+    return fn

@@ -233,7 +233,6 @@ class GraphedStep:
         self.prepared = True
 
     def _update_body(self) -> None:
-        grads = [p.grad for p in self.params]
         norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm, foreach=True)
         bad = (~(torch.isfinite(norm) & torch.isfinite(self.loss_sum))).float()
         if self.halt_on_nonfinite:
@@ -248,15 +247,18 @@ class GraphedStep:
             for p in self.params:
                 p.grad = None
         else:
-            torch._foreach_zero_(grads)
+            torch._foreach_zero_([p.grad for p in self.params])
         self.loss_sum.zero_()
 
     def _ensure_update(self) -> None:
-        if self.update is not None:
+        """The optimizer made capturable, once; and the update graph, unless each shape's graph
+        holds its own update (``fresh_grads``)."""
+        if self.prepared:
             return
         t0, reserved = time.perf_counter(), self._reserved()
         self._prepare_optimizer()
-        self.update = self._capture(self._update_body, self.pool)
+        if not self.fresh_grads:
+            self.update = self._capture(self._update_body, self.pool)
         self.capture_s += time.perf_counter() - t0
         self.graph_bytes += self._reserved() - reserved
 
@@ -312,23 +314,18 @@ class GraphedStep:
         skipped) returned as a device tensor of its own, for ``read`` once the caller has queued
         more work (the next step's replays keep the GPU busy while the host reads this one)."""
         self._check_no_autocast()
+        if self.fresh_grads and len(batches) != 1:
+            raise ValueError(
+                f"captured step with fresh_grads: one micro-batch per step, got {len(batches)}"
+                " (gradient accumulation needs the static gradient buffers: fresh_grads=False)"
+            )
+        self._ensure_update()
         if self.fresh_grads:
-            if len(batches) != 1:
-                raise ValueError(
-                    f"captured step with fresh_grads: one micro-batch per step, got {len(batches)}"
-                    " (gradient accumulation needs the static gradient buffers: fresh_grads=False)"
-                )
-            if not self.prepared:
-                t0, reserved = time.perf_counter(), self._reserved()
-                self._prepare_optimizer()
-                self.capture_s += time.perf_counter() - t0
-                self.graph_bytes += self._reserved() - reserved
             whole = self._graph_for(batches[0])
             self.n_items.fill_(float(n_items))
             whole.load(batches[0])
             whole.replay()
             return self.out.clone()
-        self._ensure_update()
         # New shapes first: a capture's warm-up zeroes the gradients, which must not drop the
         # accumulation of micro-batches already replayed in this step.
         micros = [self._graph_for(inputs) for inputs in batches]
@@ -343,13 +340,14 @@ class GraphedStep:
     @staticmethod
     def read(out: torch.Tensor) -> dict[str, float]:
         """The host values of a launched step's result (its one read-back)."""
+        # Host read, intended: outside every capture, once per step, after the caller has
+        # queued what it could (hf-varlen train: the next step's replays)
         loss, norm, skipped = out.tolist()
         return {"loss": loss, "grad_norm": norm, "skipped": skipped > 0.5}
 
     def new_shapes(self, batches: list[dict[str, Any]]) -> bool:
         """Whether launching ``batches`` would capture (a shape not seen yet, or the first step)."""
-        ready = self.prepared if self.fresh_grads else self.update is not None
-        return not ready or any(_shape_key(b) not in self.graphs for b in batches)
+        return not self.prepared or any(_shape_key(b) not in self.graphs for b in batches)
 
     def forward_backward(
         self, inputs: dict[str, Any], n_items: torch.Tensor | int | float

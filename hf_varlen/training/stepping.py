@@ -66,6 +66,8 @@ def host_lr(scheduler) -> float:
     lambdas, bases = getattr(scheduler, "lr_lambdas", None), getattr(scheduler, "base_lrs", None)
     if isinstance(last, torch.Tensor) and lambdas and bases and not torch.is_tensor(bases[0]):
         return float(bases[0] * lambdas[0](scheduler.last_epoch))
+    # Host read, intended: a float already (eager step), or a schedule without a host rule,
+    # where the captured step's rate is read once per step, outside any capture
     return float(last)
 
 

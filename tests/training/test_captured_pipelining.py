@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from tiny_runs import eager_capture as _eager_capture
 from tiny_runs import tiny_train_config
 
 from hf_varlen.captured_step import graphs as step_graphs
@@ -22,10 +23,6 @@ from hf_varlen.training import PackedTrainer
 from hf_varlen.training import graphs as graphs_mod
 from hf_varlen.training.loop import NonFiniteError
 from hf_varlen.training.metrics import read_log
-
-
-def _eager_capture(fn, pool):
-    return fn
 
 
 @pytest.fixture

@@ -18,6 +18,7 @@ import math
 
 import pytest
 import torch
+from tiny_runs import eager_capture as _eager_capture
 from tiny_runs import tiny_train_config
 
 from hf_varlen.captured_step import graphs as step_graphs
@@ -35,11 +36,6 @@ def _tiny(tmp_path, name, **overrides) -> TrainConfig:
         max_grad_norm=0.5,  # a clip that bites
     )
     return tiny_train_config(tmp_path, name, **{**base, **overrides})
-
-
-def _eager_capture(fn, pool):
-    """What the tests use instead of a CUDA capture: the replay runs the function again."""
-    return fn
 
 
 @pytest.fixture
