@@ -82,6 +82,7 @@ from typing import Any
 import torch
 
 from ..coverage import check_now
+from .readback import StepResult
 
 WARMUP = 2  # eager passes before a capture: lazy inits, cuBLAS workspaces, autograd streams
 _INT_KEYS = ("max_length_q", "max_length_k")
@@ -309,10 +310,11 @@ class GraphedStep:
             while_running()
         return self.read(out)
 
-    def launch(self, batches: list[dict[str, Any]], n_items: int) -> torch.Tensor:
+    def launch(self, batches: list[dict[str, Any]], n_items: int) -> StepResult:
         """``step`` without its read-back: the replays are queued and the step's (loss, grad norm,
-        skipped) returned as a device tensor of its own, for ``read`` once the caller has queued
-        more work (the next step's replays keep the GPU busy while the host reads this one)."""
+        skipped) returned on their way to the host (``StepResult``), for ``read`` once the caller
+        has queued more work (the next step's replays keep the GPU busy while the host reads this
+        one, and the read waits for this step only)."""
         self._check_no_autocast()
         if self.fresh_grads and len(batches) != 1:
             raise ValueError(
@@ -325,7 +327,7 @@ class GraphedStep:
             self.n_items.fill_(float(n_items))
             whole.load(batches[0])
             whole.replay()
-            return self.out.clone()
+            return StepResult(self.out)
         # New shapes first: a capture's warm-up zeroes the gradients, which must not drop the
         # accumulation of micro-batches already replayed in this step.
         micros = [self._graph_for(inputs) for inputs in batches]
@@ -335,10 +337,10 @@ class GraphedStep:
             micro.replay()
         self.update()
         self.accumulating = False  # the update graph zeroed the gradients
-        return self.out.clone()  # the next update overwrites self.out
+        return StepResult(self.out)  # copied now: the next update overwrites self.out
 
     @staticmethod
-    def read(out: torch.Tensor) -> dict[str, float]:
+    def read(out: StepResult) -> dict[str, float]:
         """The host values of a launched step's result (its one read-back)."""
         # Host read, intended: outside every capture, once per step, after the caller has
         # queued what it could (hf-varlen train: the next step's replays)

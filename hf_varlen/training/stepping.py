@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from ..captured_step.readback import StepResult
 from ..coverage import check_pending_offsets
 from .batching import MicroBatch
 from .step import NonFiniteError, batch_counts, nonfinite_message, step_record
@@ -44,13 +45,14 @@ def read_loss_and_norm(loss: torch.Tensor, grad_norm: Any) -> tuple[float, Any]:
 @dataclass
 class Launched:
     """A step between ``launch_step`` and ``finish_step``: its batches, learning rate and start;
-    ``out`` the captured step's result on the device (None: eager, ``values`` already read)."""
+    ``out`` the captured step's result on its way to the host (None: eager, ``values`` already
+    read)."""
 
     group: list[list[int]]
     batches: list[MicroBatch]
     lr: float
     t0: float
-    out: torch.Tensor | None = None
+    out: StepResult | None = None
     values: tuple[float, Any] = (math.nan, None)
     compilations: int = 0
     captures: int = 0

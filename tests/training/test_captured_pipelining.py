@@ -10,8 +10,6 @@ the step after the failed one was already queued (the update graph's halt flag).
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 from tiny_runs import eager_capture as _eager_capture
@@ -19,6 +17,7 @@ from tiny_runs import tiny_train_config
 
 from hf_varlen.captured_step import graphs as step_graphs
 from hf_varlen.captured_step.graphs import GraphedStep
+from hf_varlen.captured_step.readback import StepResult
 from hf_varlen.training import PackedTrainer
 from hf_varlen.training import graphs as graphs_mod
 from hf_varlen.training.loop import NonFiniteError
@@ -180,24 +179,27 @@ def test_gpu_nonfinite_stop_with_the_next_step_queued(tmp_path):
         pytest.skip("needs CUDA")
     seen: list[str] = []
     launch, read = GraphedStep.launch, GraphedStep.read
-    holder: dict[str, Any] = {}
+    holder: dict[str, int] = {}
 
     def spy_launch(self, batches, n_items):
         seen.append("L")
-        return launch(self, batches, n_items)
+        if seen.count("L") != holder["k"]:
+            return launch(self, batches, n_items)
+        scale.fill_(float("nan"))
+        out = launch(self, batches, n_items)
+        scale.fill_(1.0)
+        return out
 
     def spy_read(out):
         seen.append("R")
         return read(out)
 
-    def nan_at_launch_of_step_k(model):
-        def hook(module, args, output):
-            t = holder.get("t")
-            if module.training and t is not None and t.state.step + 1 == holder["k"]:
-                return output * float("nan")
-            return output
+    # A replay runs the captured kernels, not Python hooks: the hook multiplies the logits by a
+    # device scalar the capture records, and step k's launch sets it to NaN in stream order.
+    scale = torch.ones((), device="cuda")
 
-        model.get_output_embeddings().register_forward_hook(hook)
+    def nan_at_launch_of_step_k(model):
+        model.get_output_embeddings().register_forward_hook(lambda m, a, output: output * scale)
 
     mp = pytest.MonkeyPatch()
     mp.setattr(GraphedStep, "launch", spy_launch)
@@ -205,10 +207,13 @@ def test_gpu_nonfinite_stop_with_the_next_step_queued(tmp_path):
     try:
         cfg = _cfg(tmp_path, "nan", cuda_graphs="on", fused_loss="off", precision="bf16")
         trainer = PackedTrainer(cfg, model_hook=nan_at_launch_of_step_k)
-        # the NaN goes to a step whose successor replays a shape seen before (no capture between)
+        # the NaN goes to a step that replays a shape seen before, and so does its successor (no
+        # capture, whose eager warm-up would see the NaN too, and no read-back between them)
         shapes = [trainer.batcher(slot).tensor_tokens for slot in list(trainer.sampler)[:8]]
-        k = next(k for k in range(2, 8) if shapes[k] in shapes[:k])  # shapes[k]: step k + 1
-        holder.update(t=trainer, k=k)
+        k = next(
+            k for k in range(2, 7) if shapes[k - 1] in shapes[: k - 1] and shapes[k] in shapes[:k]
+        )
+        holder["k"] = k  # shapes[k - 1]: step k
         with pytest.raises(NonFiniteError, match=rf"step {k}: non-finite loss"):
             trainer.run()
     finally:
@@ -219,3 +224,27 @@ def test_gpu_nonfinite_stop_with_the_next_step_queued(tmp_path):
     for p in trainer.graphed.params:
         assert int(opt.state[p]["step"]) == k - 1
         assert torch.isfinite(p).all()
+
+
+@pytest.mark.gpu
+def test_gpu_read_waits_for_its_own_step_only():
+    """A launched step's read-back returns while the work queued after it still runs (the next
+    step's replays, here a sleep kernel): with the copy queued behind that work the GPU would
+    idle from each read to the next launch."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    out = torch.tensor([2.5, 0.75, 0.0], device="cuda")
+    result = StepResult(out)
+    out.fill_(float("nan"))  # the next step overwrites the device values: the result keeps its own
+    torch.cuda._sleep(2_000_000_000)  # about a second of GPU cycles queued after the step
+    assert GraphedStep.read(result) == {"loss": 2.5, "grad_norm": 0.75, "skipped": False}
+    still_running = not torch.cuda.current_stream().query()
+    torch.cuda.synchronize()
+    assert still_running
+
+
+def test_step_result_on_the_cpu_is_a_copy():
+    out = torch.tensor([2.5, 0.75, 1.0])
+    result = StepResult(out)
+    out.zero_()
+    assert GraphedStep.read(result) == {"loss": 2.5, "grad_norm": 0.75, "skipped": True}
