@@ -231,6 +231,34 @@ def test_compile_modes_configuration():
     assert cfg.compile_mode == "default" and not cfg.static_shapes and cfg.cuda_graphs == "off"
 
 
+def test_plain_compile_counts_recompiles_into_the_trainer():
+    """The integration's plain torch.compile counts each (re)compilation where the trainer's
+    step records read it, so a timed step that recompiled is not taken for a steady one."""
+    from types import SimpleNamespace
+
+    class Tiny(torch.nn.Module):  # defined here: Dynamo skips the frames of torch.nn's own modules
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.proj(x).relu()
+
+    model = Tiny()
+    trainer = SimpleNamespace(
+        acc=SimpleNamespace(unwrap_model=lambda m: m), model=model,
+        compiler=SimpleNamespace(compilations=0),
+    )  # fmt: skip
+    torch._dynamo.reset()
+    bench_e2e.plain_compile(trainer, backend="aot_eager")
+    model(torch.randn(2, 4))
+    assert trainer.compiler.compilations == 1
+    model(torch.randn(2, 4))
+    assert trainer.compiler.compilations == 1
+    model(torch.randn(3, 4))  # a new size: Dynamo recompiles (dynamic from now on)
+    assert trainer.compiler.compilations == 2
+
+
 @pytest.mark.slow
 def test_hf_varlen_compile_mode_runs_on_cpu(tmp_path):
     """CPU smoke: hf_varlen-compile under aot_eager trains the same losses as hf_varlen and
