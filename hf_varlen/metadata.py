@@ -63,6 +63,9 @@ class VarlenMetadata:
     max_seqlen_q/k: Python ints (an upper bound on the longest document).
     indices_q/k: (T_q_real,) / (T_k_real,) int64 positions of the real tokens in the flattened (B*T)
         axis, or None when every token is real (no unpadding needed).
+    rows: every document is one whole row of a (B, L) batch, ``max_seqlen_q/k`` tokens each
+        (``from_rows``): the offsets are known from the shapes, so a backend may lay the rows out
+        as a batch without reading them, and "auto" may treat the call as plain dense attention.
     """
 
     cu_seqlens_q: torch.Tensor
@@ -71,6 +74,7 @@ class VarlenMetadata:
     max_seqlen_k: int
     indices_q: torch.Tensor | None = None
     indices_k: torch.Tensor | None = None
+    rows: bool = False
 
 
 class BatchState:
@@ -294,11 +298,15 @@ def from_padding_mask(attention_mask: torch.Tensor, q_len: int) -> VarlenMetadat
     return _MASK_CACHE.get_or_compute(attention_mask, build, extra=q_len)
 
 
-_ROWS_CACHE = TensorCache(size=4)
+# Vision encoders that split each layer's attention per window / image (transformers' non-flash
+# route) ask for one shape per window or image size, in turn, every layer: the entries are a few
+# ints each, so enough are kept that a forward pass finds each of its shapes again.
+_ROWS_CACHE = TensorCache(size=64)
 
 
 def from_rows(batch: int, q_len: int, kv_len: int, device: torch.device) -> VarlenMetadata:
-    """Each of ``batch`` rows is one sequence (bottom-right aligned when q_len < kv_len).
+    """Each of ``batch`` rows is one sequence (bottom-right aligned when q_len < kv_len); the
+    metadata says so (``rows``).
 
     Cached on the shapes: every layer of a forward pass asks for the same ones, so the offsets are
     built once (and never cached while compiling: no eager tensors baked into a graph).
@@ -311,6 +319,6 @@ def from_rows(batch: int, q_len: int, kv_len: int, device: torch.device) -> Varl
             if kv_len == q_len
             else torch.arange(0, (batch + 1) * kv_len, kv_len, dtype=torch.int32, device=device)
         )
-        return VarlenMetadata(cu_q, cu_k, q_len, kv_len)
+        return VarlenMetadata(cu_q, cu_k, q_len, kv_len, rows=True)
 
     return _ROWS_CACHE.get_or_compute((), build, extra=(batch, q_len, kv_len, torch.device(device)))

@@ -111,6 +111,15 @@ class LongDocumentsRule:
 
 
 _AUTO_LONG_FIRST: dict[str, list[LongDocumentsRule]] = {"cuda": [], "cpu": []}
+# Tried before everything else for a call of whole rows (``Request.rows``: plain dense attention,
+# no documents packed, no padding) of at most SHORT_ROWS_TOKENS tokens, unless a deterministic
+# backward is requested. Such calls come by the hundred per forward where a vision encoder splits
+# each layer per window or image (transformers' route for attention names without "flash"): each
+# then costs its fixed host work, which for our kernel (the tile plan's device ops, a forward and
+# a backward launch per tile class) dwarfs the few tokens' GPU work, while SDPA is one fused
+# kernel each way. Past the bound the GPU work dominates and the usual order applies.
+SHORT_ROWS_TOKENS = 2048
+_AUTO_SHORT_ROWS_FIRST: dict[str, list[str]] = {"cuda": [], "cpu": []}
 _PROBE_CACHE: dict[str, str | None] = {}
 _AUTO_LOGGED: set[tuple] = set()
 _DEFAULT = {"name": None}
@@ -135,22 +144,27 @@ def set_auto_order(
     names: list[str],
     *,
     long_documents_first: list[str | LongDocumentsRule] | None = None,
+    short_rows_first: list[str] | None = None,
 ) -> None:
     """Set the order in which backend="auto" tries backends on ``device_type`` ("cuda", "cpu").
 
     ``long_documents_first`` (optional): rules, in priority order, for backends tried before
     ``names`` when a call's pack counts as one of long documents for them (a bare name: the
     default thresholds at every head dim; ``LongDocumentsRule``).
+    ``short_rows_first`` (optional): backends tried before all of those for a short call of whole
+    rows (``short_rows_backends``).
     """
     first = [
         r if isinstance(r, LongDocumentsRule) else LongDocumentsRule(r)
         for r in long_documents_first or []
     ]
-    unknown = [n for n in names + [r.name for r in first] if n not in _REGISTRY]
+    rows_first = list(short_rows_first or [])
+    unknown = [n for n in names + [r.name for r in first] + rows_first if n not in _REGISTRY]
     if unknown:
         raise ValueError(f"set_auto_order: unknown backends {unknown}; known: {sorted(_REGISTRY)}")
     _AUTO_ORDER[device_type] = list(names)
     _AUTO_LONG_FIRST[device_type] = first
+    _AUTO_SHORT_ROWS_FIRST[device_type] = rows_first
 
 
 def auto_order(device_type: str, *, long_first: tuple[str, ...] | list[str] = ()) -> list[str]:
@@ -270,6 +284,16 @@ def long_first_backends(
     return tuple(r.name for r in rules if r.matches(max_seqlen, total, n_docs))
 
 
+def short_rows_backends(req: Request) -> tuple[str, ...]:
+    """The backends "auto" tries first for ``req``: those of ``set_auto_order(short_rows_first=)``
+    when the call is whole rows (``Request.rows``) of at most SHORT_ROWS_TOKENS tokens and no
+    deterministic backward is requested (kept on the order's first choice, whose backward is
+    deterministic at no cost); else none."""
+    if not req.rows or req.deterministic or req.pack is None or req.pack[1] > SHORT_ROWS_TOKENS:
+        return ()
+    return tuple(_AUTO_SHORT_ROWS_FIRST.get(req.device, ()))
+
+
 @dataclass(frozen=True)
 class Request:
     """The features one attention call needs; compared against a BackendSpec."""
@@ -287,6 +311,9 @@ class Request:
     # (max_seqlen, total tokens, documents) of the pack: only "auto" reads it (LongDocumentsRule),
     # so an explicitly chosen backend adds no shape guard under torch.compile
     pack: tuple[int, int, int] | None = None
+    # every document is one whole row (VarlenMetadata.rows), in eager mode: only "auto" reads it
+    # (short_rows_backends); a traced call keeps the order's traceable first choice
+    rows: bool = False
 
     @classmethod
     def for_call(cls, q, k, v, metadata: VarlenMetadata, params: AttentionParams) -> Request:
@@ -308,6 +335,7 @@ class Request:
                 max(q.shape[0], k.shape[0]),
                 metadata.cu_seqlens_q.shape[0] - 1,
             ),
+            rows=metadata.rows and not tracing(q),
         )
 
     def unsupported(self, spec: BackendSpec) -> list[str]:
@@ -373,6 +401,7 @@ def resolve(name: str, req: Request) -> BackendSpec:
         return spec
     tried = []
     first = long_first_backends(req.device, req.head_dim, *req.pack) if req.pack else ()
+    first = short_rows_backends(req) + first
     for cand in auto_order(req.device, long_first=first):
         if unavailable_reason(cand) is not None:
             continue
