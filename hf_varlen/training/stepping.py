@@ -162,7 +162,9 @@ def finish_step(trainer, launched: Launched, since: float | None = None) -> dict
         trainer.scheduler.step()
         trainer.optimizer.zero_grad(set_to_none=True)  # captured: done inside the graphs
     extra = {}
-    if trainer.compiler.enabled:
+    # A model compiled outside --compile through the trainer's counting backend (the benchmarks'
+    # plain torch.compile) counts too: its compiling steps are then told from steady ones.
+    if trainer.compiler.enabled or launched.compilations:
         extra["compilations"] = launched.compilations
     if trainer.graphed is not None:  # steps that captured (warm-up + capture in their step_time)
         extra["captures"] = launched.captures

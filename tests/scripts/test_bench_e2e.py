@@ -259,6 +259,26 @@ def test_plain_compile_counts_recompiles_into_the_trainer():
     assert trainer.compiler.compilations == 2
 
 
+def test_plain_compiled_steps_that_compile_are_left_out_of_the_steady_state(tmp_path):
+    """End to end on the CPU: the step records of a plain-compiled trainer carry its compilations,
+    so bench_e2e's steady state leaves the compiling steps out."""
+    from hf_varlen.training import PackedTrainer
+
+    run = dict(
+        model="tiny-llama", tokenizer="bytes", dataset="builtin", max_length=256, batch_size=2,
+        steps=3, lr=1e-3, precision="fp32", seed=0, run_dir=str(tmp_path), peak_tflops=None,
+        mode="hf_varlen",
+    )  # fmt: skip
+    torch._dynamo.reset()
+    trainer = PackedTrainer(bench_e2e.train_config(run, "cpu"))
+    bench_e2e.plain_compile(trainer, backend="aot_eager")
+    trainer.run()
+    records = e2e_measure.trainer_records(str(tmp_path))
+    assert len(records) == 3 and records[0]["compilations"] >= 1
+    assert bench_e2e._unsteady(records[0])
+    assert sum(r.get("compilations", 0) for r in records) == trainer.compiler.compilations
+
+
 @pytest.mark.slow
 def test_hf_varlen_compile_mode_runs_on_cpu(tmp_path):
     """CPU smoke: hf_varlen-compile under aot_eager trains the same losses as hf_varlen and
