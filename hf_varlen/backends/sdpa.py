@@ -99,7 +99,7 @@ def _visible(len_q: int, len_k: int, window: tuple[int, int], device) -> torch.T
 
 
 def _with_sinks(qd, kd, vd, params, scale):
-    """One document with attention sinks, exactly, through SDPA: one more key per head, first,
+    """Documents of one length with attention sinks, exactly, through SDPA: one more key per head, first,
     whose score is the sink logit and whose value is 0. SDPA has no per-head score bias, so the
     head dim grows by one: q gets a 1 there, real keys a 0, the sink key sinks[h] / scale, so
     q . k_sink * scale = sinks[h] and the real scores are unchanged; the sinks' gradient comes
