@@ -111,15 +111,16 @@ class LongDocumentsRule:
 
 
 _AUTO_LONG_FIRST: dict[str, list[LongDocumentsRule]] = {"cuda": [], "cpu": []}
-# Tried before everything else for a call of whole rows (``Request.rows``: plain dense attention,
-# no documents packed, no padding) of at most SHORT_ROWS_TOKENS tokens, unless a deterministic
-# backward is requested. Such calls come by the hundred per forward where a vision encoder splits
-# each layer per window or image (transformers' route for attention names without "flash"): each
-# then costs its fixed host work, which for our kernel (the tile plan's device ops, a forward and
-# a backward launch per tile class) dwarfs the few tokens' GPU work, while SDPA is one fused
-# kernel each way. Past the bound the GPU work dominates and the usual order applies.
-SHORT_ROWS_TOKENS = 2048
-_AUTO_SHORT_ROWS_FIRST: dict[str, list[str]] = {"cuda": [], "cpu": []}
+# Tried first for a call of whole rows (``Request.rows``: plain dense attention, no documents
+# packed, no padding) unless a deterministic backward is requested, ahead of the long-documents
+# rules too. Whole rows are what SDPA's fused kernels are built for: on an H100, forward +
+# backward by wall clock, SDPA took 0.32-0.89x our kernel's time on every measured call, 1 and 4 rows
+# of 64-8192 tokens, head dim 80 (a vision tower, not causal) and 128 (causal)
+# (scripts/bench_whole_rows.py; docs/BENCHMARKS.md). The short ones matter most: a vision encoder
+# splits each layer per window or image (transformers' route for attention names without "flash"),
+# hundreds of calls per forward, where our kernel's fixed host work per call dominates. FA4's and
+# torch's long-documents rules were measured against our kernel only, not against SDPA.
+_AUTO_ROWS_FIRST: dict[str, list[str]] = {"cuda": [], "cpu": []}
 _PROBE_CACHE: dict[str, str | None] = {}
 _AUTO_LOGGED: set[tuple] = set()
 _DEFAULT = {"name": None}
@@ -144,27 +145,27 @@ def set_auto_order(
     names: list[str],
     *,
     long_documents_first: list[str | LongDocumentsRule] | None = None,
-    short_rows_first: list[str] | None = None,
+    rows_first: list[str] | None = None,
 ) -> None:
     """Set the order in which backend="auto" tries backends on ``device_type`` ("cuda", "cpu").
 
     ``long_documents_first`` (optional): rules, in priority order, for backends tried before
     ``names`` when a call's pack counts as one of long documents for them (a bare name: the
     default thresholds at every head dim; ``LongDocumentsRule``).
-    ``short_rows_first`` (optional): backends tried before all of those for a short call of whole
-    rows (``short_rows_backends``).
+    ``rows_first`` (optional): backends tried before all of those for a call of whole rows
+    (``rows_backends``).
     """
     first = [
         r if isinstance(r, LongDocumentsRule) else LongDocumentsRule(r)
         for r in long_documents_first or []
     ]
-    rows_first = list(short_rows_first or [])
+    rows_first = list(rows_first or [])
     unknown = [n for n in names + [r.name for r in first] + rows_first if n not in _REGISTRY]
     if unknown:
         raise ValueError(f"set_auto_order: unknown backends {unknown}; known: {sorted(_REGISTRY)}")
     _AUTO_ORDER[device_type] = list(names)
     _AUTO_LONG_FIRST[device_type] = first
-    _AUTO_SHORT_ROWS_FIRST[device_type] = rows_first
+    _AUTO_ROWS_FIRST[device_type] = rows_first
 
 
 def auto_order(device_type: str, *, long_first: tuple[str, ...] | list[str] = ()) -> list[str]:
@@ -284,14 +285,13 @@ def long_first_backends(
     return tuple(r.name for r in rules if r.matches(max_seqlen, total, n_docs))
 
 
-def short_rows_backends(req: Request) -> tuple[str, ...]:
-    """The backends "auto" tries first for ``req``: those of ``set_auto_order(short_rows_first=)``
-    when the call is whole rows (``Request.rows``) of at most SHORT_ROWS_TOKENS tokens and no
-    deterministic backward is requested (kept on the order's first choice, whose backward is
-    deterministic at no cost); else none."""
-    if not req.rows or req.deterministic or req.pack is None or req.pack[1] > SHORT_ROWS_TOKENS:
+def rows_backends(req: Request) -> tuple[str, ...]:
+    """The backends of ``set_auto_order(rows_first=)`` when ``req`` is a call of whole rows
+    (``Request.rows``) and no deterministic backward is requested (that stays on the order's first
+    choice, whose backward is deterministic at no cost); else none."""
+    if not req.rows or req.deterministic:
         return ()
-    return tuple(_AUTO_SHORT_ROWS_FIRST.get(req.device, ()))
+    return tuple(_AUTO_ROWS_FIRST.get(req.device, ()))
 
 
 @dataclass(frozen=True)
@@ -312,7 +312,7 @@ class Request:
     # so an explicitly chosen backend adds no shape guard under torch.compile
     pack: tuple[int, int, int] | None = None
     # every document is one whole row (VarlenMetadata.rows), in eager mode: only "auto" reads it
-    # (short_rows_backends); a traced call keeps the order's traceable first choice
+    # (rows_backends); a traced call keeps the order's traceable first choice
     rows: bool = False
 
     @classmethod
@@ -401,7 +401,7 @@ def resolve(name: str, req: Request) -> BackendSpec:
         return spec
     tried = []
     first = long_first_backends(req.device, req.head_dim, *req.pack) if req.pack else ()
-    first = short_rows_backends(req) + first
+    first = rows_backends(req) + first
     for cand in auto_order(req.device, long_first=first):
         if unavailable_reason(cand) is not None:
             continue

@@ -5,10 +5,11 @@ A call whose every document is one whole row (no documents packed, no padding: t
 calls by the hundred per forward (transformers splits each layer per window or image for an
 attention name without "flash"), so:
 
-- on CUDA, "auto" sends short ones to ``sdpa`` (one fused kernel each way) instead of our kernel,
-  whose fixed host work per call outweighs the attention's; long ones, deterministic backwards,
-  packed and padded calls keep the usual order. Checked with every backend pretended available
-  (no GPU needed), on the requests a tiny Qwen2.5-VL's own forward builds;
+- on CUDA, "auto" sends them to ``sdpa`` first (one fused kernel each way, measured faster than
+  our kernel on whole rows of every length); deterministic backwards, packed and padded calls keep
+  the usual order. Checked with
+  the backends pretended available (no GPU needed), on the requests a tiny Qwen2.5-VL's own
+  forward builds;
 - ``sdpa`` runs them as one batched call that reads nothing back from the device, equal to the
   per-document reference by the numerics rule (outputs and gradients, GQA, causal with
   L_q != L_k, windows, sinks).
@@ -80,10 +81,6 @@ def test_auto_keeps_the_order_for_other_calls(every_backend_available):
     # SDPA has no softcap: the call goes on down the usual order
     capped = _on_cuda(_request(from_rows(1, 64, 64, CPU), 64, 64, softcap=5.0))
     assert registry.resolve("auto", capped).name == usual(capped) == "triton"
-    # past the bound the attention's own work dominates (one long document: FA4 first)
-    big = registry.SHORT_ROWS_TOKENS + 64
-    long_row = _on_cuda(_request(from_rows(1, big, big, CPU), big, big))
-    assert long_row.rows and registry.resolve("auto", long_row).name == usual(long_row) == "fa4"
     # documents packed into one row by the collator's offsets: the usual order
     cu = torch.tensor([0, 30, 64], dtype=torch.int32)
     packed = _request(from_collator_kwargs(cu, cu, 34, 34, 64, 64), 64, 64, causal=True)
@@ -91,6 +88,17 @@ def test_auto_keeps_the_order_for_other_calls(every_backend_available):
     assert registry.resolve("auto", _on_cuda(packed)).name == "triton"
     # an explicitly chosen backend is never second-guessed
     assert registry.resolve("triton", window).name == "triton"
+
+
+@pytest.mark.parametrize("rows,length", [(1, 3072), (1, 8192), (4, 8192), (2, 32768)])
+@pytest.mark.parametrize("head_dim", [80, 128, 256])
+def test_auto_sends_long_whole_rows_to_sdpa_too(every_backend_available, rows, length, head_dim):
+    """Long rows go to SDPA as well (measured faster than our kernel at every length), ahead of
+    the long-documents rules, whose FA4 still takes a pack of long documents of the same size."""
+    total = rows * length
+    row = _on_cuda(_request(from_rows(rows, length, length, CPU), total, total, head_dim=head_dim))
+    assert row.rows and registry.resolve("auto", row).name == "sdpa"
+    assert registry.resolve("auto", dataclasses.replace(row, rows=False)).name == "fa4"
 
 
 def test_qwen2_5_vl_vision_calls_leave_our_kernel_on_cuda(every_backend_available, monkeypatch):

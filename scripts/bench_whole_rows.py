@@ -1,13 +1,13 @@
 """Calls of whole rows (a vision tower's per-window and per-image attention): our kernel vs SDPA.
 
-"auto" sends a call whose every document is one whole row of at most ``SHORT_ROWS_TOKENS`` tokens
-to ``sdpa`` on CUDA (``backends/registry.py``): such calls come by the hundred per forward, and
-each pays its backend's fixed host work. This sweep places that bound: for rows of 64 to 8192
-tokens it times a run of back-to-back forward + backward calls by wall clock (the host work is
-the point, so no CUDA-event-only timing) on each backend, and prints ms per call and sdpa's
-speed-up over our kernel. Run on a GPU:
+"auto" sends a call whose every document is one whole row to ``sdpa`` on CUDA, after only a
+long-documents rule that matches it (``backends/registry.py``); this sweep is that rule's
+measurement. For rows of 64 to 8192 tokens it times a run of back-to-back forward + backward calls
+by wall clock (a vision tower's calls come by the hundred per forward and each pays its backend's
+fixed host work, so no CUDA-event-only timing) on each backend, and prints ms per call and
+sdpa's speed-up over our kernel. Run on a GPU:
 
-    python scripts/bench_short_rows.py [--calls 32] [--json out.json]
+    python scripts/bench_whole_rows.py [--calls 32] [--json out.json]
 
 Shapes: q, k, v (rows * n, H, D) bf16; Qwen2.5-VL's vision tower is H 16, D 80, not causal.
 """
@@ -21,7 +21,7 @@ import time
 import torch
 from bench_common import run_header
 
-from hf_varlen.backends import AttentionParams, registry
+from hf_varlen.backends import AttentionParams
 from hf_varlen.functional import dispatch
 from hf_varlen.metadata import from_rows
 
@@ -72,7 +72,7 @@ def main() -> None:
     parser.add_argument("--backends", nargs="+", default=["triton", "sdpa", "auto"])
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    header = run_header(calls=args.calls, bound=registry.SHORT_ROWS_TOKENS)
+    header = run_header(calls=args.calls)
     print(json.dumps(header))
     results = []
     print(
