@@ -20,15 +20,18 @@ there takes torch 1.11x ours). Head dim 64's long path had lost to torch from 20
 documents until its launches stopped being persistent (1.5x faster on 8 x 8K, 32K + 32K
 and 128K), so the torch rule it had is gone.
 
-Calls of whole rows (no documents packed, no padding: ``VarlenMetadata.rows``) go to SDPA
-before all of these, as one batched call that reads nothing back. Whole rows are plain dense attention, SDPA's own case: on the H100 it took
-0.32-0.89x our kernel's time on every measured call (1 and 4 rows of 64-8192 tokens, head dim 80
-not causal and 128 causal, forward + backward by wall clock). The short ones matter most: the
-vision encoders of Qwen2-VL, Qwen2.5-VL, Qwen3.5, GLM-4V and others call attention once per window
-or image in every layer under a name without "flash", hundreds of calls of a few dozen tokens each
-per forward, where our kernel's fixed host work per call (six launches forward and backward, a
-tile plan per new row length) costs more than the attention. A deterministic backward keeps them
-on our kernel.
+Calls of whole rows (no documents packed, no padding: ``VarlenMetadata.rows``) go to SDPA before all
+of these, as one batched call that reads nothing back. Whole rows are plain dense attention, SDPA's
+own case: on the H100 it took 0.32-0.89x our kernel's time on every measured call (1 and 4 rows of
+64-8192 tokens, head dim 80 not causal and 128 causal, forward + backward by wall clock). The short
+ones matter most: the vision encoders of Qwen2-VL, Qwen2.5-VL, Qwen3.5, GLM-4V and others call
+attention once per window or image in every layer under a name without "flash", hundreds of calls of
+a few dozen tokens each per forward, where our kernel's fixed host work per call (six launches
+forward and backward, a tile plan per new row length) costs more than the attention. A deterministic
+backward keeps them on our kernel. FA4's and torch's long-documents rules were measured against our
+kernel only, not against SDPA. Under torch.compile a call is not marked as rows (the traced graph
+keeps the order's traceable first choice). Measured by scripts/bench_whole_rows.py
+(docs/BENCHMARKS.md, Attention).
 
 Then FA2, torch's bundled FA2 (always present), flex (pays a mask build per batch), xformers,
 SDPA. FA2 from ``flash-attn`` is not installed on our H200 and so has no long-documents rule. On

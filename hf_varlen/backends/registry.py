@@ -113,13 +113,7 @@ class LongDocumentsRule:
 _AUTO_LONG_FIRST: dict[str, list[LongDocumentsRule]] = {"cuda": [], "cpu": []}
 # Tried first for a call of whole rows (``Request.rows``: plain dense attention, no documents
 # packed, no padding) unless a deterministic backward is requested, ahead of the long-documents
-# rules too. Whole rows are what SDPA's fused kernels are built for: on an H100, forward +
-# backward by wall clock, SDPA took 0.32-0.89x our kernel's time on every measured call, 1 and 4 rows
-# of 64-8192 tokens, head dim 80 (a vision tower, not causal) and 128 (causal)
-# (scripts/bench_whole_rows.py; docs/BENCHMARKS.md). The short ones matter most: a vision encoder
-# splits each layer per window or image (transformers' route for attention names without "flash"),
-# hundreds of calls per forward, where our kernel's fixed host work per call dominates. FA4's and
-# torch's long-documents rules were measured against our kernel only, not against SDPA.
+# rules too; why, with its measurements: the order's docstring in backends/__init__.py.
 _AUTO_ROWS_FIRST: dict[str, list[str]] = {"cuda": [], "cpu": []}
 _PROBE_CACHE: dict[str, str | None] = {}
 _AUTO_LOGGED: set[tuple] = set()

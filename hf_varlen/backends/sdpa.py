@@ -4,7 +4,7 @@ The CPU path for users without a GPU: memory stays O(L^2) per document instead o
 block-diagonal mask transformers' own `sdpa` builds for packed input. Document bounds are read on
 the host once per batch (cached across layers), so they are always fully checked. Whole rows
 (``VarlenMetadata.rows``: offsets built from the shapes, nothing packed) need no read: they go to
-SDPA as one batch, which is also what "auto" picks them for on CUDA when they are short.
+SDPA as one batch; "auto" picks this backend for them on CUDA (backends/__init__.py says why).
 """
 
 from __future__ import annotations
@@ -99,12 +99,13 @@ def _visible(len_q: int, len_k: int, window: tuple[int, int], device) -> torch.T
 
 
 def _with_sinks(qd, kd, vd, params, scale):
-    """Documents of one length with attention sinks, exactly, through SDPA: one more key per head, first,
-    whose score is the sink logit and whose value is 0. SDPA has no per-head score bias, so the
-    head dim grows by one: q gets a 1 there, real keys a 0, the sink key sinks[h] / scale, so
-    q . k_sink * scale = sinks[h] and the real scores are unchanged; the sinks' gradient comes
-    through that entry. The sink key is visible to every row (a row that sees no real key gets
-    the zero value: zeros, as FA gives). GQA heads are expanded (one sink key per query head).
+    """Documents of one length with attention sinks, exactly, through SDPA: one more key per head,
+    first, whose score is the sink logit and whose value is 0. SDPA has no per-head score bias,
+    so the head dim grows by one: q gets a 1 there, real keys a 0, the sink key sinks[h] /
+    scale, so q . k_sink * scale = sinks[h] and the real scores are unchanged; the sinks'
+    gradient comes through that entry. The sink key is visible to every row (a row that sees no
+    real key gets the zero value: zeros, as FA gives). GQA heads are expanded (one sink key per
+    query head).
 
     qd (B, H_q, L_q, D), kd / vd (B, H_kv, L_k, D / D_v) -> (B, H_q, L_q, D_v)."""
     b, h_q, l_q, l_k = qd.shape[0], qd.shape[1], qd.shape[2], kd.shape[2]
