@@ -1,8 +1,8 @@
 """Calls of whole rows (a vision tower's per-window and per-image attention): our kernel vs SDPA.
 
-"auto" sends a call whose every document is one whole row to ``sdpa`` on CUDA, after only a
-long-documents rule that matches it (``backends/registry.py``); this sweep is that rule's
-measurement. For rows of 64 to 8192 tokens it times a run of back-to-back forward + backward calls
+"auto" sends a call whose every document is one whole row to ``sdpa`` first on CUDA, ahead of
+the long-documents rules (``rows_first`` in ``backends/__init__.py``); this sweep is that rule's
+measurement, and its ``auto`` column checks that the rule routes as measured. For rows of 64 to 8192 tokens it times a run of back-to-back forward + backward calls
 by wall clock (a vision tower's calls come by the hundred per forward and each pays its backend's
 fixed host work, so no CUDA-event-only timing) on each backend, and prints ms per call and
 sdpa's speed-up over our kernel. Run on a GPU:

@@ -7,9 +7,8 @@ attention name without "flash"), so:
 
 - on CUDA, "auto" sends them to ``sdpa`` first (one fused kernel each way, measured faster than
   our kernel on whole rows of every length); deterministic backwards, packed and padded calls keep
-  the usual order. Checked with
-  the backends pretended available (no GPU needed), on the requests a tiny Qwen2.5-VL's own
-  forward builds;
+  the usual order. Checked with the backends pretended available (no GPU needed), on the
+  requests a tiny Qwen2.5-VL's own forward builds;
 - ``sdpa`` runs them as one batched call that reads nothing back from the device, equal to the
   per-document reference by the numerics rule (outputs and gradients, GQA, causal with
   L_q != L_k, windows, sinks).
